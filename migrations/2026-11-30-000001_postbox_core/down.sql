@@ -1,0 +1,8 @@
+DROP TRIGGER IF EXISTS messages_wake ON postbox.messages;
+DROP FUNCTION IF EXISTS postbox.messages_inserted();
+DROP FUNCTION IF EXISTS postbox.wake();
+DROP TABLE IF EXISTS postbox.listeners;
+DROP TABLE IF EXISTS postbox.dead_letters;
+DROP TABLE IF EXISTS postbox.messages;
+DROP FUNCTION IF EXISTS postbox.headers_are_strings(jsonb);
+DROP SCHEMA IF EXISTS postbox;

@@ -1,0 +1,217 @@
+//! Writing messages inside the caller's own transaction, on the caller's own connection.
+//!
+//! The same two queries are built once and run either on a sync [`PgConnection`] or on an async
+//! `AsyncPgConnection`. A batch is one `INSERT ... VALUES (...), (...) ON CONFLICT DO NOTHING
+//! RETURNING` statement (one round trip for up to [`ROWS_PER_STATEMENT`] messages); a second query
+//! runs only when some dedup key matched a live message, to say which one.
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use diesel::PgConnection;
+use diesel::{ExpressionMethods, Insertable, QueryDsl};
+
+use crate::error::Result;
+use crate::message::{Message, MessageId};
+use crate::schema::postbox::messages;
+
+/// Rows per INSERT statement: 11 bind parameters a row stays under PostgreSQL's 65,535.
+pub const ROWS_PER_STATEMENT: usize = 5_000;
+
+/// What `enqueue` did with one message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enqueued {
+    /// A new message with this id.
+    New(MessageId),
+    /// Nothing was written: a live message of the same topic holds the dedup key. `existing` is
+    /// its id, or `None` if it was delivered in the instant between the insert and the lookup.
+    Duplicate { existing: Option<MessageId> },
+}
+
+impl Enqueued {
+    /// The id of the new message, or of the live duplicate it matched.
+    pub fn id(&self) -> Option<MessageId> {
+        match *self {
+            Enqueued::New(id) => Some(id),
+            Enqueued::Duplicate { existing } => existing,
+        }
+    }
+}
+
+#[derive(Insertable)]
+#[diesel(table_name = messages)]
+struct NewMessage<'a> {
+    topic: &'a str,
+    key: Option<&'a str>,
+    ordered: bool,
+    payload: &'a serde_json::Value,
+    headers: serde_json::Value,
+    priority: i16,
+    run_at: Option<DateTime<Utc>>,
+    max_attempts: Option<i32>,
+    dedup_key: Option<&'a str>,
+}
+
+type Returned = (MessageId, String, Option<String>);
+
+fn rows(msgs: &[Message]) -> Result<Vec<NewMessage<'_>>> {
+    let now = Utc::now();
+    msgs.iter()
+        .map(|m| {
+            m.validate()?;
+            let (Ok(payload), Ok(headers)) = (&m.payload, &m.headers) else {
+                unreachable!("validate() accepted the message");
+            };
+            let run_at = match (m.run_at, m.delay) {
+                (Some(at), _) => Some(at),
+                (None, Some(d)) => {
+                    Some(now + chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX / 2))
+                }
+                (None, None) => None,
+            };
+            Ok(NewMessage {
+                topic: &m.topic,
+                key: m.key.as_deref(),
+                ordered: m.ordered,
+                payload,
+                headers: serde_json::to_value(headers).expect("string map is JSON"),
+                priority: m.priority,
+                run_at,
+                max_attempts: m.max_attempts,
+                dedup_key: m.dedup_key.as_deref(),
+            })
+        })
+        .collect()
+}
+
+macro_rules! insert_query {
+    ($rows:expr) => {
+        diesel::insert_into(messages::table)
+            .values($rows)
+            .on_conflict_do_nothing()
+            .returning((messages::id, messages::topic, messages::dedup_key))
+    };
+}
+
+macro_rules! duplicates_query {
+    ($keys:expr) => {
+        messages::table
+            .filter(messages::dedup_key.eq_any($keys))
+            .select((messages::id, messages::topic, messages::dedup_key))
+    };
+}
+
+/// Pairs the inserted rows with the inputs. Ids follow the order of the VALUES list, so walking
+/// both in order matches them; an input with no matching row was a duplicate.
+fn match_inserted(rows: &[NewMessage<'_>], mut inserted: Vec<Returned>) -> Vec<Option<MessageId>> {
+    inserted.sort_unstable_by_key(|r| r.0);
+    let mut next = inserted.into_iter().peekable();
+    rows.iter()
+        .map(|row| match next.peek() {
+            Some((_, topic, dedup)) if topic == row.topic && dedup.as_deref() == row.dedup_key => {
+                next.next().map(|r| r.0)
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+fn duplicate_keys(rows: &[NewMessage<'_>], ids: &[Option<MessageId>]) -> Vec<String> {
+    rows.iter()
+        .zip(ids)
+        .filter(|(_, id)| id.is_none())
+        .filter_map(|(r, _)| r.dedup_key.map(str::to_owned))
+        .collect()
+}
+
+fn resolve(
+    rows: &[NewMessage<'_>],
+    ids: Vec<Option<MessageId>>,
+    existing: Vec<Returned>,
+) -> Vec<Enqueued> {
+    let by_key: HashMap<(String, Option<String>), MessageId> = existing
+        .into_iter()
+        .map(|(id, t, k)| ((t, k), id))
+        .collect();
+    rows.iter()
+        .zip(ids)
+        .map(|(row, id)| match id {
+            Some(id) => Enqueued::New(id),
+            None => Enqueued::Duplicate {
+                existing: by_key
+                    .get(&(row.topic.to_owned(), row.dedup_key.map(str::to_owned)))
+                    .copied(),
+            },
+        })
+        .collect()
+}
+
+/// Writes one message on `conn`, inside whatever transaction is open there.
+///
+/// ```no_run
+/// use diesel::{ExpressionMethods, Insertable, QueryDsl};
+/// # fn demo(conn: &mut PgConnection) -> Result<(), postbox::Error> {
+/// conn.transaction(|conn| {
+///     // diesel::insert_into(orders::table).values(&order).execute(conn)?;
+///     postbox::enqueue(conn, &postbox::Message::new("order.created").payload(&42))?;
+///     Ok::<_, postbox::Error>(())
+/// })
+/// # }
+/// ```
+pub fn enqueue(conn: &mut PgConnection, msg: &Message) -> Result<Enqueued> {
+    Ok(enqueue_many(conn, std::slice::from_ref(msg))?.remove(0))
+}
+
+/// Writes many messages on `conn` in one statement per [`ROWS_PER_STATEMENT`] messages. All
+/// messages are validated before anything is sent. Returns one [`Enqueued`] per input, in order.
+pub fn enqueue_many(conn: &mut PgConnection, msgs: &[Message]) -> Result<Vec<Enqueued>> {
+    use diesel::RunQueryDsl;
+    let rows = rows(msgs)?;
+    let mut out = Vec::with_capacity(rows.len());
+    for chunk in rows.chunks(ROWS_PER_STATEMENT) {
+        let inserted: Vec<Returned> = insert_query!(chunk).get_results(conn)?;
+        let ids = match_inserted(chunk, inserted);
+        let keys = duplicate_keys(chunk, &ids);
+        let existing = if keys.is_empty() {
+            Vec::new()
+        } else {
+            duplicates_query!(&keys).load(conn)?
+        };
+        out.extend(resolve(chunk, ids, existing));
+    }
+    Ok(out)
+}
+
+/// [`enqueue`] for a `diesel_async::AsyncPgConnection`.
+#[cfg(feature = "async")]
+pub async fn enqueue_async(
+    conn: &mut diesel_async::AsyncPgConnection,
+    msg: &Message,
+) -> Result<Enqueued> {
+    Ok(enqueue_many_async(conn, std::slice::from_ref(msg))
+        .await?
+        .remove(0))
+}
+
+/// [`enqueue_many`] for a `diesel_async::AsyncPgConnection`.
+#[cfg(feature = "async")]
+pub async fn enqueue_many_async(
+    conn: &mut diesel_async::AsyncPgConnection,
+    msgs: &[Message],
+) -> Result<Vec<Enqueued>> {
+    use diesel_async::RunQueryDsl;
+    let rows = rows(msgs)?;
+    let mut out = Vec::with_capacity(rows.len());
+    for chunk in rows.chunks(ROWS_PER_STATEMENT) {
+        let inserted: Vec<Returned> = insert_query!(chunk).get_results(conn).await?;
+        let ids = match_inserted(chunk, inserted);
+        let keys = duplicate_keys(chunk, &ids);
+        let existing = if keys.is_empty() {
+            Vec::new()
+        } else {
+            duplicates_query!(&keys).load(conn).await?
+        };
+        out.extend(resolve(chunk, ids, existing));
+    }
+    Ok(out)
+}

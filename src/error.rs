@@ -1,0 +1,68 @@
+//! The one error type of the library.
+
+/// Why a message was refused before any SQL ran.
+///
+/// Every variant names the offending field, so the caller can fix the input instead of reading
+/// a database error.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum InvalidMessage {
+    /// The topic is the routing name; an empty one routes nowhere.
+    #[error("topic: must not be empty")]
+    EmptyTopic,
+    /// Topics become Kafka topic names and metric labels; keep them short.
+    #[error("topic: {len} bytes, the limit is {limit}")]
+    TopicTooLong { len: usize, limit: usize },
+    /// The payload could not be serialized to JSON.
+    #[error("payload: cannot serialize to JSON: {0}")]
+    PayloadNotJson(String),
+    /// The serialized payload is larger than [`crate::MAX_PAYLOAD_BYTES`].
+    #[error("payload: {len} bytes of JSON, the limit is {limit}")]
+    PayloadTooLarge { len: usize, limit: usize },
+    /// Headers must be a JSON object whose values are all strings.
+    #[error("headers: {0}")]
+    BadHeaders(String),
+    /// A key is too long (over [`crate::MAX_KEY_BYTES`]).
+    #[error("{field}: {len} bytes, the limit is {limit}")]
+    TooLong {
+        field: &'static str,
+        len: usize,
+        limit: usize,
+    },
+    /// Ordering is per key: an ordered message needs one.
+    #[error("ordered: an ordered message needs a key")]
+    OrderedWithoutKey,
+    /// At least one attempt is needed to deliver anything.
+    #[error("max_attempts: must be at least 1, got {0}")]
+    MaxAttempts(i32),
+}
+
+/// Everything that can go wrong in postbox.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The message was refused before any SQL ran; nothing was written.
+    #[error("invalid message: {0}")]
+    InvalidMessage(#[from] InvalidMessage),
+    /// A query failed.
+    #[error("database: {0}")]
+    Database(#[from] diesel::result::Error),
+    /// A connection could not be established.
+    #[error("connection: {0}")]
+    Connection(#[from] diesel::ConnectionError),
+    /// No connection could be taken from the pool.
+    #[error("connection pool: {0}")]
+    Pool(String),
+    /// Running the migrations failed.
+    #[error("migration: {0}")]
+    Migration(String),
+    /// A caller passed an argument that cannot work (names the argument).
+    #[error("{field}: {problem}")]
+    InvalidArgument {
+        field: &'static str,
+        problem: String,
+    },
+}
+
+/// Result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

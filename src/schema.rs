@@ -1,0 +1,47 @@
+// @generated automatically by Diesel CLI.
+
+pub mod postbox {
+    diesel::table! {
+        postbox.dead_letters (id) {
+            id -> Int8,
+            topic -> Text,
+            key -> Nullable<Text>,
+            ordered -> Bool,
+            payload -> Jsonb,
+            headers -> Jsonb,
+            priority -> Int2,
+            attempts -> Int4,
+            max_attempts -> Int4,
+            created_at -> Timestamptz,
+            dedup_key -> Nullable<Text>,
+            first_error -> Nullable<Text>,
+            last_error -> Nullable<Text>,
+            reason -> Text,
+            dead_at -> Timestamptz,
+        }
+    }
+
+    diesel::table! {
+        postbox.messages (id) {
+            id -> Int8,
+            topic -> Text,
+            key -> Nullable<Text>,
+            ordered -> Bool,
+            payload -> Jsonb,
+            headers -> Jsonb,
+            priority -> Int2,
+            run_at -> Timestamptz,
+            attempts -> Int4,
+            max_attempts -> Int4,
+            locked_until -> Nullable<Timestamptz>,
+            lease_token -> Nullable<Int8>,
+            locked_by -> Nullable<Text>,
+            first_error -> Nullable<Text>,
+            last_error -> Nullable<Text>,
+            created_at -> Timestamptz,
+            dedup_key -> Nullable<Text>,
+        }
+    }
+
+    diesel::allow_tables_to_appear_in_same_query!(dead_letters, messages,);
+}

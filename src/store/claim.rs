@@ -1,0 +1,284 @@
+//! Claiming: pending → running, one statement per batch.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use diesel::QueryableByName;
+use diesel::sql_types::{
+    Array, BigInt, Bool, Double, Integer, Jsonb, Nullable, SmallInt, Text, Timestamptz,
+};
+use diesel_async::RunQueryDsl;
+
+use super::{Lease, Store};
+use crate::error::{Error, Result};
+use crate::message::MessageId;
+
+/// Which topics an engine serves. Several engines can share one table by serving different
+/// topics; a message whose topic no engine serves stays pending.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topics {
+    all: bool,
+    exact: Vec<String>,
+    like: Vec<String>,
+}
+
+impl Topics {
+    /// Every topic.
+    pub fn all() -> Self {
+        Topics {
+            all: true,
+            exact: Vec::new(),
+            like: Vec::new(),
+        }
+    }
+
+    /// These topics; a `*` in a name matches any run of characters (`orders.*`), and `*` alone
+    /// matches everything.
+    pub fn only<I, S>(patterns: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let mut t = Topics {
+            all: false,
+            exact: Vec::new(),
+            like: Vec::new(),
+        };
+        for p in patterns {
+            let p = p.as_ref();
+            if p == "*" {
+                t.all = true;
+            } else if p.contains('*') {
+                let escaped = p
+                    .replace('\\', "\\\\")
+                    .replace('%', "\\%")
+                    .replace('_', "\\_");
+                t.like.push(escaped.replace('*', "%"));
+            } else {
+                t.exact.push(p.to_owned());
+            }
+        }
+        t
+    }
+
+    /// True if this filter lets `topic` through (the same rule the claim query applies).
+    pub fn matches(&self, topic: &str) -> bool {
+        fn glob(pattern: &str, s: &str) -> bool {
+            // pattern here is the LIKE form; undo the escaping for the in-memory match.
+            let parts: Vec<String> = split_like(pattern);
+            let mut rest = s;
+            for (i, part) in parts.iter().enumerate() {
+                if i == 0 {
+                    match rest.strip_prefix(part.as_str()) {
+                        Some(r) => rest = r,
+                        None => return false,
+                    }
+                } else if i == parts.len() - 1 {
+                    return rest.len() >= part.len() && rest.ends_with(part.as_str());
+                } else {
+                    match rest.find(part.as_str()) {
+                        Some(pos) => rest = &rest[pos + part.len()..],
+                        None => return false,
+                    }
+                }
+            }
+            parts.len() > 1 || rest.is_empty()
+        }
+        self.all
+            || self.exact.iter().any(|t| t == topic)
+            || self.like.iter().any(|p| glob(p, topic))
+    }
+
+    /// True if nothing can match.
+    pub fn is_empty(&self) -> bool {
+        !self.all && self.exact.is_empty() && self.like.is_empty()
+    }
+}
+
+/// Splits a LIKE pattern on its unescaped `%`, unescaping the pieces.
+fn split_like(pattern: &str) -> Vec<String> {
+    let mut parts = vec![String::new()];
+    let mut chars = pattern.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                if let Some(n) = chars.next() {
+                    parts.last_mut().expect("non-empty").push(n);
+                }
+            }
+            '%' => parts.push(String::new()),
+            c => parts.last_mut().expect("non-empty").push(c),
+        }
+    }
+    parts
+}
+
+/// A message claimed by this process: its content, and the lease that names this claim.
+#[derive(Debug, Clone, PartialEq, QueryableByName)]
+pub struct ClaimedMessage {
+    #[diesel(sql_type = BigInt)]
+    pub id: MessageId,
+    #[diesel(sql_type = Text)]
+    pub topic: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub key: Option<String>,
+    #[diesel(sql_type = Bool)]
+    pub ordered: bool,
+    #[diesel(sql_type = Jsonb)]
+    pub payload: serde_json::Value,
+    #[diesel(sql_type = Jsonb, deserialize_as = JsonHeaders)]
+    pub headers: BTreeMap<String, String>,
+    #[diesel(sql_type = SmallInt)]
+    pub priority: i16,
+    #[diesel(sql_type = Timestamptz)]
+    pub run_at: DateTime<Utc>,
+    /// Attempts used, including this one (1 on the first delivery).
+    #[diesel(sql_type = Integer)]
+    pub attempts: i32,
+    #[diesel(sql_type = Integer)]
+    pub max_attempts: i32,
+    #[diesel(sql_type = Timestamptz)]
+    pub created_at: DateTime<Utc>,
+    /// The lease ends here unless extended.
+    #[diesel(sql_type = Timestamptz)]
+    pub locked_until: DateTime<Utc>,
+    #[diesel(sql_type = BigInt)]
+    pub lease_token: i64,
+    /// The error of the previous failed attempt, if any.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub last_error: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    pub dedup_key: Option<String>,
+}
+
+impl ClaimedMessage {
+    /// The lease of this claim, to settle the message with.
+    pub fn lease(&self) -> Lease {
+        Lease {
+            id: self.id,
+            token: self.lease_token,
+        }
+    }
+
+    /// True if a failure now would dead-letter the message instead of retrying it.
+    pub fn is_last_attempt(&self) -> bool {
+        self.attempts >= self.max_attempts
+    }
+}
+
+/// Headers column → string map (the migration's CHECK guarantees string values).
+struct JsonHeaders(serde_json::Value);
+
+impl diesel::deserialize::FromSql<Jsonb, diesel::pg::Pg> for JsonHeaders {
+    fn from_sql(bytes: diesel::pg::PgValue<'_>) -> diesel::deserialize::Result<Self> {
+        <serde_json::Value as diesel::deserialize::FromSql<Jsonb, diesel::pg::Pg>>::from_sql(bytes)
+            .map(JsonHeaders)
+    }
+}
+
+impl diesel::deserialize::Queryable<Jsonb, diesel::pg::Pg> for JsonHeaders {
+    type Row = Self;
+    fn build(row: Self) -> diesel::deserialize::Result<Self> {
+        Ok(row)
+    }
+}
+
+impl From<JsonHeaders> for BTreeMap<String, String> {
+    fn from(h: JsonHeaders) -> Self {
+        match h.0 {
+            serde_json::Value::Object(map) => map
+                .into_iter()
+                .map(|(k, v)| match v {
+                    serde_json::Value::String(s) => (k, s),
+                    other => (k, other.to_string()),
+                })
+                .collect(),
+            _ => BTreeMap::new(),
+        }
+    }
+}
+
+/// One statement: pick up to `$4` claimable rows in (priority, id) order, skipping rows other
+/// claimers hold, and lease them. An ordered message is claimable only when no earlier ordered
+/// message of its (topic, key) is still in the table (pending or running).
+const CLAIM: &str = r#"
+WITH picked AS (
+    SELECT m.id
+    FROM postbox.messages m
+    WHERE m.locked_until IS NULL
+      AND m.run_at <= now()
+      AND ($1 OR m.topic = ANY($2) OR m.topic LIKE ANY($3))
+      AND (NOT m.ordered OR NOT EXISTS (
+            SELECT 1 FROM postbox.messages e
+            WHERE e.ordered AND e.topic = m.topic AND e.key = m.key AND e.id < m.id))
+    ORDER BY m.priority, m.id
+    LIMIT $4
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE postbox.messages m
+SET attempts = m.attempts + 1,
+    locked_until = now() + make_interval(secs => $5),
+    lease_token = $6,
+    locked_by = $7
+FROM picked
+WHERE m.id = picked.id
+RETURNING m.id, m.topic, m.key, m.ordered, m.payload, m.headers, m.priority, m.run_at,
+          m.attempts, m.max_attempts, m.created_at, m.locked_until, m.lease_token,
+          m.last_error, m.dedup_key
+"#;
+
+impl Store {
+    /// Leases up to `batch` claimable messages of `topics` for `lease`, in (priority, id) order.
+    /// Each claim uses one attempt.
+    pub async fn claim(
+        &self,
+        batch: usize,
+        lease: Duration,
+        topics: &Topics,
+    ) -> Result<Vec<ClaimedMessage>> {
+        if batch == 0 || topics.is_empty() {
+            return Ok(Vec::new());
+        }
+        if lease.is_zero() {
+            return Err(Error::InvalidArgument {
+                field: "lease",
+                problem: "must be greater than zero".into(),
+            });
+        }
+        let mut conn = self.conn().await?;
+        let mut rows: Vec<ClaimedMessage> = diesel::sql_query(CLAIM)
+            .bind::<Bool, _>(topics.all)
+            .bind::<Array<Text>, _>(&topics.exact)
+            .bind::<Array<Text>, _>(&topics.like)
+            .bind::<BigInt, _>(i64::try_from(batch).unwrap_or(i64::MAX))
+            .bind::<Double, _>(lease.as_secs_f64())
+            .bind::<BigInt, _>(fastrand::i64(..))
+            .bind::<Text, _>(&*self.owner)
+            .load(&mut conn)
+            .await?;
+        rows.sort_unstable_by_key(|m| (m.priority, m.id));
+        Ok(rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topic_patterns() {
+        let t = Topics::only(["orders.*", "audit", "a_b%*"]);
+        assert!(t.matches("orders.created"));
+        assert!(t.matches("orders."));
+        assert!(!t.matches("order.created"));
+        assert!(t.matches("audit"));
+        assert!(!t.matches("audit2"));
+        assert!(t.matches("a_b%x"));
+        assert!(!t.matches("aXb%x"));
+        assert!(Topics::only(["*"]).matches("anything"));
+        assert!(Topics::only(Vec::<String>::new()).is_empty());
+        let mid = Topics::only(["a*b*c"]);
+        assert!(mid.matches("abc") && mid.matches("a-b-c") && !mid.matches("a-c-b"));
+    }
+}

@@ -1,0 +1,370 @@
+//! Settling claimed messages: complete, retry, dead-letter, release, extend; and rescue of
+//! expired leases. Each is one statement over a whole batch, fenced by the lease.
+
+use std::time::Duration;
+
+use diesel::QueryableByName;
+use diesel::sql_types::{Array, BigInt, Bool, Double, Nullable, Text};
+use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
+
+use super::{Lease, Store, fenced, split};
+use crate::error::Result;
+use crate::message::MessageId;
+
+/// What a batch operation did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Settled {
+    /// Messages the operation applied to.
+    pub done: Vec<MessageId>,
+    /// Messages it did not touch because their lease is gone (expired and re-claimed, or settled
+    /// already): the caller no longer owns them.
+    pub fenced: Vec<MessageId>,
+}
+
+/// A failed delivery to try again later.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Retry {
+    pub lease: Lease,
+    /// Recorded as the message's `last_error`.
+    pub error: String,
+    /// Wait this long instead of the backoff.
+    pub delay: Option<Duration>,
+}
+
+/// A message that can never be delivered.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dead {
+    pub lease: Lease,
+    /// Why: kept in the dead letter.
+    pub reason: String,
+}
+
+/// What `retry` (or `rescue_expired`) did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RetryReport {
+    /// Back to pending, with `run_at` moved by the backoff.
+    pub retried: Vec<MessageId>,
+    /// Out of attempts: moved to the dead letters.
+    pub dead: Vec<MessageId>,
+    /// Lease gone; untouched.
+    pub fenced: Vec<MessageId>,
+}
+
+#[derive(QueryableByName)]
+struct IdRow {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+}
+
+#[derive(QueryableByName)]
+struct IdDeadRow {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = Bool)]
+    dead: bool,
+}
+
+const COMPLETE: &str = r#"
+DELETE FROM postbox.messages m
+USING unnest($1::bigint[], $2::bigint[]) AS d(id, token)
+WHERE m.id = d.id AND m.lease_token = d.token
+RETURNING m.id
+"#;
+
+/// Columns copied from a message into its dead letter (without the reason columns).
+macro_rules! dead_columns {
+    () => {
+        "id, topic, key, ordered, payload, headers, priority, attempts, max_attempts, created_at, dedup_key"
+    };
+}
+
+/// The backoff of DESIGN §2, in SQL so that `run_at` is computed on the database clock:
+/// `min(cap, base * 2^(attempts-1)) * (1 + jitter * u)`, `u` uniform in [-1, 1).
+/// Arguments: the placeholders of base seconds, cap seconds and jitter.
+macro_rules! backoff_sql {
+    ($base:literal, $cap:literal, $jitter:literal) => {
+        concat!(
+            "least(",
+            $cap,
+            ", ",
+            $base,
+            " * power(2, least(m.attempts - 1, 62)))",
+            " * (1 + ",
+            $jitter,
+            " * (2 * random() - 1))"
+        )
+    };
+}
+
+const RETRY: &str = concat!(
+    r#"
+WITH input AS (
+    SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::float8[])
+        AS i(id, token, error, delay_secs)
+),
+exhausted AS (
+    DELETE FROM postbox.messages m USING input i
+    WHERE m.id = i.id AND m.lease_token = i.token AND m.attempts >= m.max_attempts
+    RETURNING m.*, i.error AS error
+),
+buried AS (
+    INSERT INTO postbox.dead_letters ("#,
+    dead_columns!(),
+    r#", first_error, last_error, reason)
+    SELECT "#,
+    dead_columns!(),
+    r#", coalesce(first_error, error), error,
+           format('attempts exhausted (%s of %s): %s', attempts, max_attempts, error)
+    FROM exhausted
+    RETURNING id
+),
+retried AS (
+    UPDATE postbox.messages m
+    SET locked_until = NULL, lease_token = NULL, locked_by = NULL,
+        last_error = i.error,
+        first_error = coalesce(m.first_error, i.error),
+        run_at = now() + make_interval(secs => coalesce(i.delay_secs, "#,
+    backoff_sql!("$5", "$6", "$7"),
+    r#"))
+    FROM input i
+    WHERE m.id = i.id AND m.lease_token = i.token AND m.attempts < m.max_attempts
+    RETURNING m.id
+)
+SELECT id, false AS dead FROM retried
+UNION ALL
+SELECT id, true AS dead FROM buried
+"#
+);
+
+const DEAD_LETTER: &str = concat!(
+    r#"
+WITH input AS (
+    SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS i(id, token, reason)
+),
+gone AS (
+    DELETE FROM postbox.messages m USING input i
+    WHERE m.id = i.id AND m.lease_token = i.token
+    RETURNING m.*, i.reason AS dead_reason
+)
+INSERT INTO postbox.dead_letters ("#,
+    dead_columns!(),
+    r#", first_error, last_error, reason)
+SELECT "#,
+    dead_columns!(),
+    r#", coalesce(first_error, dead_reason), dead_reason, dead_reason
+FROM gone
+RETURNING id
+"#
+);
+
+const RELEASE: &str = r#"
+UPDATE postbox.messages m
+SET attempts = greatest(m.attempts - 1, 0), locked_until = NULL, lease_token = NULL, locked_by = NULL
+FROM unnest($1::bigint[], $2::bigint[]) AS d(id, token)
+WHERE m.id = d.id AND m.lease_token = d.token
+RETURNING m.id
+"#;
+
+const EXTEND: &str = r#"
+UPDATE postbox.messages m
+SET locked_until = now() + make_interval(secs => $3)
+FROM unnest($1::bigint[], $2::bigint[]) AS d(id, token)
+WHERE m.id = d.id AND m.lease_token = d.token
+RETURNING m.id
+"#;
+
+/// Expired leases: back to pending with backoff (the attempt counts: the holder died or hung), or
+/// to the dead letters when that was the last attempt. $1: batch limit.
+const RESCUE: &str = concat!(
+    r#"
+WITH expired AS (
+    SELECT id FROM postbox.messages
+    WHERE locked_until < now()
+    ORDER BY locked_until
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+),
+exhausted AS (
+    DELETE FROM postbox.messages m USING expired e
+    WHERE m.id = e.id AND m.attempts >= m.max_attempts
+    RETURNING m.*
+),
+buried AS (
+    INSERT INTO postbox.dead_letters ("#,
+    dead_columns!(),
+    r#", first_error, last_error, reason)
+    SELECT "#,
+    dead_columns!(),
+    r#", coalesce(first_error, format('lease expired on attempt %s (held by %s)', attempts, locked_by)),
+           format('lease expired on attempt %s (held by %s)', attempts, locked_by),
+           format('attempts exhausted (%s of %s): lease expired (held by %s)', attempts, max_attempts, locked_by)
+    FROM exhausted
+    RETURNING id
+),
+back AS (
+    UPDATE postbox.messages m
+    SET locked_until = NULL, lease_token = NULL, locked_by = NULL,
+        last_error = format('lease expired on attempt %s (held by %s)', m.attempts, m.locked_by),
+        first_error = coalesce(m.first_error, format('lease expired on attempt %s (held by %s)', m.attempts, m.locked_by)),
+        run_at = now() + make_interval(secs => "#,
+    backoff_sql!("$2", "$3", "$4"),
+    r#")
+    FROM expired e
+    WHERE m.id = e.id AND m.attempts < m.max_attempts
+    RETURNING m.id
+)
+SELECT id, false AS dead FROM back
+UNION ALL
+SELECT id, true AS dead FROM buried
+"#
+);
+
+/// Rows `rescue_expired` handles per statement.
+pub const RESCUE_BATCH: i64 = 1_000;
+
+impl Store {
+    /// Delivered: deletes the messages (one statement).
+    pub async fn complete(&self, leases: &[Lease]) -> Result<Settled> {
+        if leases.is_empty() {
+            return Ok(Settled::default());
+        }
+        let (ids, tokens) = split(leases.iter().copied());
+        let mut conn = self.conn().await?;
+        let rows: Vec<IdRow> = diesel::sql_query(COMPLETE)
+            .bind::<Array<BigInt>, _>(&ids)
+            .bind::<Array<BigInt>, _>(&tokens)
+            .load(&mut conn)
+            .await?;
+        Ok(settled(&ids, rows))
+    }
+
+    /// Failed for now: back to pending after the backoff (or the given delay), with the error
+    /// recorded; dead-lettered instead when that was the last attempt.
+    pub async fn retry(&self, retries: &[Retry]) -> Result<RetryReport> {
+        if retries.is_empty() {
+            return Ok(RetryReport::default());
+        }
+        let (ids, tokens) = split(retries.iter().map(|r| r.lease));
+        let errors: Vec<&str> = retries.iter().map(|r| r.error.as_str()).collect();
+        let delays: Vec<Option<f64>> = retries
+            .iter()
+            .map(|r| r.delay.map(|d| d.as_secs_f64()))
+            .collect();
+        let b = self.backoff;
+        let mut conn = self.conn().await?;
+        let rows: Vec<IdDeadRow> = diesel::sql_query(RETRY)
+            .bind::<Array<BigInt>, _>(&ids)
+            .bind::<Array<BigInt>, _>(&tokens)
+            .bind::<Array<Text>, _>(&errors)
+            .bind::<Array<Nullable<Double>>, _>(&delays)
+            .bind::<Double, _>(b.base.as_secs_f64())
+            .bind::<Double, _>(b.cap.as_secs_f64())
+            .bind::<Double, _>(b.jitter)
+            .load(&mut conn)
+            .await?;
+        Ok(retry_report(&ids, rows))
+    }
+
+    /// Permanent failure: moves the messages to the dead letters with their reasons.
+    pub async fn dead_letter(&self, dead: &[Dead]) -> Result<Settled> {
+        if dead.is_empty() {
+            return Ok(Settled::default());
+        }
+        let (ids, tokens) = split(dead.iter().map(|d| d.lease));
+        let reasons: Vec<&str> = dead.iter().map(|d| d.reason.as_str()).collect();
+        let mut conn = self.conn().await?;
+        let rows: Vec<IdRow> = diesel::sql_query(DEAD_LETTER)
+            .bind::<Array<BigInt>, _>(&ids)
+            .bind::<Array<BigInt>, _>(&tokens)
+            .bind::<Array<Text>, _>(&reasons)
+            .load(&mut conn)
+            .await?;
+        Ok(settled(&ids, rows))
+    }
+
+    /// Hands messages back without using an attempt (shutdown, sink outage), and wakes waiting
+    /// relays so another one can take them at once.
+    pub async fn release(&self, leases: &[Lease]) -> Result<Settled> {
+        if leases.is_empty() {
+            return Ok(Settled::default());
+        }
+        let (ids, tokens) = split(leases.iter().copied());
+        let mut conn = self.conn().await?;
+        let rows: Vec<IdRow> = conn
+            .transaction(async |conn| {
+                let rows: Vec<IdRow> = diesel::sql_query(RELEASE)
+                    .bind::<Array<BigInt>, _>(&ids)
+                    .bind::<Array<BigInt>, _>(&tokens)
+                    .load(conn)
+                    .await?;
+                if !rows.is_empty() {
+                    conn.batch_execute("SELECT postbox.wake()").await?;
+                }
+                Ok::<_, diesel::result::Error>(rows)
+            })
+            .await?;
+        Ok(settled(&ids, rows))
+    }
+
+    /// Heartbeat: the leases now end `lease` from now.
+    pub async fn extend(&self, leases: &[Lease], lease: Duration) -> Result<Settled> {
+        if leases.is_empty() {
+            return Ok(Settled::default());
+        }
+        let (ids, tokens) = split(leases.iter().copied());
+        let mut conn = self.conn().await?;
+        let rows: Vec<IdRow> = diesel::sql_query(EXTEND)
+            .bind::<Array<BigInt>, _>(&ids)
+            .bind::<Array<BigInt>, _>(&tokens)
+            .bind::<Double, _>(lease.as_secs_f64())
+            .load(&mut conn)
+            .await?;
+        Ok(settled(&ids, rows))
+    }
+
+    /// Expired leases go back to pending (after the backoff: the attempt counts), or to the dead
+    /// letters when they were on their last attempt. Handles at most [`RESCUE_BATCH`] rows per
+    /// call; safe to run on every replica at once (SKIP LOCKED).
+    pub async fn rescue_expired(&self) -> Result<RetryReport> {
+        let b = self.backoff;
+        let mut conn = self.conn().await?;
+        let rows: Vec<IdDeadRow> = conn
+            .transaction(async |conn| {
+                let rows: Vec<IdDeadRow> = diesel::sql_query(RESCUE)
+                    .bind::<BigInt, _>(RESCUE_BATCH)
+                    .bind::<Double, _>(b.base.as_secs_f64())
+                    .bind::<Double, _>(b.cap.as_secs_f64())
+                    .bind::<Double, _>(b.jitter)
+                    .load(conn)
+                    .await?;
+                if rows.iter().any(|r| !r.dead) {
+                    conn.batch_execute("SELECT postbox.wake()").await?;
+                }
+                Ok::<_, diesel::result::Error>(rows)
+            })
+            .await?;
+        Ok(retry_report(&[], rows))
+    }
+}
+
+fn settled(requested: &[i64], rows: Vec<IdRow>) -> Settled {
+    let done: Vec<i64> = rows.into_iter().map(|r| r.id).collect();
+    Settled {
+        fenced: fenced(requested, &done),
+        done,
+    }
+}
+
+fn retry_report(requested: &[i64], rows: Vec<IdDeadRow>) -> RetryReport {
+    let mut report = RetryReport::default();
+    for r in rows {
+        if r.dead {
+            report.dead.push(r.id);
+        } else {
+            report.retried.push(r.id);
+        }
+    }
+    let touched: Vec<i64> = report.retried.iter().chain(&report.dead).copied().collect();
+    report.fenced = fenced(requested, &touched);
+    report
+}

@@ -1,0 +1,208 @@
+//! Test harness: every test gets a database of its own, copied from a migrated template, so tests
+//! run in parallel against a real PostgreSQL.
+#![allow(dead_code)]
+
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use diesel::{Connection, PgConnection, RunQueryDsl};
+
+/// Server to test against: `POSTBOX_TEST_DATABASE_URL` (without a database name), or the local
+/// default.
+pub fn server_url() -> String {
+    std::env::var("POSTBOX_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into())
+        .trim_end_matches('/')
+        .to_owned()
+}
+
+fn admin() -> PgConnection {
+    PgConnection::establish(&format!("{}/postgres", server_url()))
+        .expect("PostgreSQL must be running (see README: Tests)")
+}
+
+/// Name of the template for the current migrations: a new one whenever they change.
+fn template_name() -> String {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+    let mut files: Vec<_> = walk(&dir);
+    files.sort();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for f in files {
+        f.hash(&mut h);
+        std::fs::read(&f).unwrap().hash(&mut h);
+    }
+    format!("postbox_tpl_{:016x}", h.finish())
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
+
+fn ensure_template(admin: &mut PgConnection) -> String {
+    let name = template_name();
+    diesel::sql_query("SELECT pg_advisory_lock(4242001)")
+        .execute(admin)
+        .unwrap();
+    if !database_exists(admin, &name) {
+        let building = format!("{name}_building");
+        diesel::sql_query(format!("DROP DATABASE IF EXISTS {building} WITH (FORCE)"))
+            .execute(admin)
+            .unwrap();
+        diesel::sql_query(format!("CREATE DATABASE {building}"))
+            .execute(admin)
+            .unwrap();
+        {
+            let mut c = PgConnection::establish(&format!("{}/{building}", server_url())).unwrap();
+            postbox::migrate(&mut c).unwrap();
+        }
+        diesel::sql_query(format!("ALTER DATABASE {building} RENAME TO {name}"))
+            .execute(admin)
+            .unwrap();
+    }
+    diesel::sql_query("SELECT pg_advisory_unlock(4242001)")
+        .execute(admin)
+        .unwrap();
+    name
+}
+
+fn database_exists(conn: &mut PgConnection, name: &str) -> bool {
+    #[derive(diesel::QueryableByName)]
+    struct N {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    let r: N = diesel::sql_query("SELECT count(*) AS n FROM pg_database WHERE datname = $1")
+        .bind::<diesel::sql_types::Text, _>(name)
+        .get_result(conn)
+        .unwrap();
+    r.n > 0
+}
+
+/// A database that exists for one test and is dropped after it.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+}
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+impl TestDb {
+    fn fresh_name() -> String {
+        format!(
+            "postbox_t_{}_{}_{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed),
+            fastrand::u32(..)
+        )
+    }
+
+    /// A database with postbox's migrations applied.
+    pub fn migrated() -> TestDb {
+        let mut admin = admin();
+        let template = ensure_template(&mut admin);
+        let name = Self::fresh_name();
+        let mut tries = 0;
+        loop {
+            match diesel::sql_query(format!("CREATE DATABASE {name} TEMPLATE {template}"))
+                .execute(&mut admin)
+            {
+                Ok(_) => break,
+                // Another test may be copying the same template this instant.
+                Err(e) if tries < 50 && e.to_string().contains("being accessed") => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(20 + fastrand::u64(..40)));
+                }
+                Err(e) => panic!("create test database: {e}"),
+            }
+        }
+        TestDb {
+            url: format!("{}/{name}", server_url()),
+            name,
+        }
+    }
+
+    /// An empty database (for migration tests).
+    pub fn empty() -> TestDb {
+        let name = Self::fresh_name();
+        diesel::sql_query(format!("CREATE DATABASE {name}"))
+            .execute(&mut admin())
+            .unwrap();
+        TestDb {
+            url: format!("{}/{name}", server_url()),
+            name,
+        }
+    }
+
+    pub fn conn(&self) -> PgConnection {
+        PgConnection::establish(&self.url).unwrap()
+    }
+
+    #[cfg(feature = "async")]
+    pub async fn aconn(&self) -> diesel_async::AsyncPgConnection {
+        use diesel_async::AsyncConnection;
+        diesel_async::AsyncPgConnection::establish(&self.url)
+            .await
+            .unwrap()
+    }
+
+    #[cfg(feature = "async")]
+    pub async fn store(&self) -> postbox::Store {
+        postbox::Store::connect(&self.url, 16).await.unwrap()
+    }
+
+    /// Runs one SQL statement that returns a single bigint (for assertions).
+    pub fn scalar(&self, sql: &str) -> i64 {
+        #[derive(diesel::QueryableByName)]
+        struct V {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            v: i64,
+        }
+        let r: V = diesel::sql_query(sql).get_result(&mut self.conn()).unwrap();
+        r.v
+    }
+
+    pub fn exec(&self, sql: &str) {
+        use diesel::connection::SimpleConnection;
+        self.conn().batch_execute(sql).unwrap();
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        if let Ok(mut a) = PgConnection::establish(&format!("{}/postgres", server_url())) {
+            let _ = diesel::sql_query(format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ))
+            .execute(&mut a);
+        }
+    }
+}
+
+/// Polls `check` until it returns true or `deadline` passes; returns whether it became true.
+pub async fn eventually<F, Fut>(deadline: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = Instant::now() + deadline;
+    loop {
+        if check().await {
+            return true;
+        }
+        if Instant::now() > end {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

@@ -1,0 +1,347 @@
+//! Enqueue from diesel transactions (sync and async), the SQL contract, dedup, bad input.
+//! DESIGN §2 promise 1 (atomic with the business write) and the enqueue API of issue "Core".
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::TestDb;
+use diesel::connection::{Instrumentation, InstrumentationEvent, SimpleConnection};
+use diesel::{Connection, RunQueryDsl};
+use diesel_async::AsyncConnection;
+use postbox::{Enqueued, InvalidMessage, Message, Topics};
+
+fn count(db: &TestDb) -> i64 {
+    db.scalar("SELECT count(*) AS v FROM postbox.messages")
+}
+
+fn business_table(db: &TestDb) {
+    db.exec("CREATE TABLE orders (id bigint PRIMARY KEY, total int NOT NULL)");
+}
+
+#[test]
+fn sync_rollback_leaves_no_message_and_commit_keeps_both() {
+    let db = TestDb::migrated();
+    business_table(&db);
+    let mut conn = db.conn();
+    let r: Result<(), postbox::Error> = conn.transaction(|conn| {
+        conn.batch_execute("INSERT INTO orders VALUES (1, 10)")?;
+        postbox::enqueue(conn, &Message::new("order.created").payload(&1))?;
+        Err(postbox::Error::Database(
+            diesel::result::Error::RollbackTransaction,
+        ))
+    });
+    assert!(r.is_err());
+    assert_eq!(count(&db), 0);
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM orders"), 0);
+
+    conn.transaction(|conn| {
+        conn.batch_execute("INSERT INTO orders VALUES (1, 10)")?;
+        postbox::enqueue(conn, &Message::new("order.created").payload(&1))
+    })
+    .unwrap();
+    assert_eq!(count(&db), 1);
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM orders"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_rollback_leaves_no_message_and_commit_keeps_both() {
+    let db = TestDb::migrated();
+    business_table(&db);
+    let mut conn = db.aconn().await;
+    let r = conn
+        .transaction(async |conn| {
+            use diesel_async::SimpleAsyncConnection;
+            conn.batch_execute("INSERT INTO orders VALUES (1, 10)")
+                .await?;
+            postbox::enqueue_async(conn, &Message::new("order.created").payload(&1)).await?;
+            Err::<(), _>(postbox::Error::Database(
+                diesel::result::Error::RollbackTransaction,
+            ))
+        })
+        .await;
+    assert!(r.is_err());
+    assert_eq!(count(&db), 0);
+    let ids = conn
+        .transaction(async |conn| {
+            use diesel_async::SimpleAsyncConnection;
+            conn.batch_execute("INSERT INTO orders VALUES (1, 10)")
+                .await?;
+            let msgs: Vec<Message> = (0..3)
+                .map(|i| Message::new("order.created").payload(&i))
+                .collect();
+            postbox::enqueue_many_async(conn, &msgs).await
+        })
+        .await
+        .unwrap();
+    assert_eq!(ids.len(), 3);
+    assert!(ids.iter().all(|e| matches!(e, Enqueued::New(_))));
+    assert_eq!(count(&db), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uncommitted_message_is_invisible_to_claim() {
+    let db = TestDb::migrated();
+    let store = db.store().await;
+    let mut writer = db.conn();
+    writer.batch_execute("BEGIN").unwrap();
+    postbox::enqueue(&mut writer, &Message::new("t").payload(&1)).unwrap();
+    let claimed = store
+        .claim(10, Duration::from_secs(30), &Topics::all())
+        .await
+        .unwrap();
+    assert!(claimed.is_empty(), "claimed an uncommitted message");
+    writer.batch_execute("COMMIT").unwrap();
+    let claimed = store
+        .claim(10, Duration::from_secs(30), &Topics::all())
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+}
+
+#[test]
+fn builder_fields_reach_the_row() {
+    let db = TestDb::migrated();
+    let mut conn = db.conn();
+    let at = chrono::Utc::now() + chrono::Duration::hours(1);
+    let id = postbox::enqueue(
+        &mut conn,
+        &Message::new("invoice.due")
+            .payload(&serde_json::json!({"n": 5}))
+            .key("cust-1")
+            .ordered()
+            .header("trace", "abc")
+            .priority(-3)
+            .run_at(at)
+            .max_attempts(4)
+            .dedup_key("inv-5"),
+    )
+    .unwrap()
+    .id()
+    .unwrap();
+    let ok = db.scalar(&format!(
+        "SELECT count(*) AS v FROM postbox.messages WHERE id = {id} AND topic = 'invoice.due'
+         AND key = 'cust-1' AND ordered AND payload = '{{\"n\": 5}}' AND headers = '{{\"trace\": \"abc\"}}'
+         AND priority = -3 AND abs(extract(epoch FROM run_at - '{}'::timestamptz)) < 0.001
+         AND max_attempts = 4 AND dedup_key = 'inv-5' AND attempts = 0 AND locked_until IS NULL",
+        at.to_rfc3339()
+    ));
+    assert_eq!(ok, 1);
+
+    let id = postbox::enqueue(
+        &mut conn,
+        &Message::new("later").delay(Duration::from_secs(3600)),
+    )
+    .unwrap()
+    .id()
+    .unwrap();
+    let delayed = db.scalar(&format!(
+        "SELECT count(*) AS v FROM postbox.messages WHERE id = {id} AND run_at > now() + interval '59 minutes'"
+    ));
+    assert_eq!(delayed, 1);
+}
+
+#[test]
+fn plain_sql_insert_is_a_valid_enqueue() {
+    let db = TestDb::migrated();
+    db.exec(r#"INSERT INTO postbox.messages (topic, payload) VALUES ('from.sql', '{"a": 1}')"#);
+    let defaults = db.scalar(
+        "SELECT count(*) AS v FROM postbox.messages WHERE topic = 'from.sql' AND key IS NULL
+         AND NOT ordered AND headers = '{}' AND priority = 0 AND run_at <= now() AND attempts = 0
+         AND max_attempts = 25 AND locked_until IS NULL AND lease_token IS NULL
+         AND created_at <= now() AND dedup_key IS NULL AND id > 0",
+    );
+    assert_eq!(defaults, 1);
+    // The contract columns, written by name.
+    db.exec(
+        r#"INSERT INTO postbox.messages (topic, key, payload, headers, priority, run_at)
+           VALUES ('from.sql', 'k', '[1]', '{"h": "v"}', 2, now())"#,
+    );
+    assert_eq!(count(&db), 2);
+    // The table refuses what Rust would refuse.
+    let mut conn = db.conn();
+    for bad in [
+        r#"INSERT INTO postbox.messages (topic, headers) VALUES ('t', '{"h": 1}')"#,
+        r#"INSERT INTO postbox.messages (topic, headers) VALUES ('t', '[]')"#,
+        r#"INSERT INTO postbox.messages (topic) VALUES ('')"#,
+        r#"INSERT INTO postbox.messages (topic, ordered) VALUES ('t', true)"#,
+    ] {
+        assert!(conn.batch_execute(bad).is_err(), "accepted: {bad}");
+    }
+    assert_eq!(count(&db), 2);
+}
+
+#[test]
+fn bad_input_is_rejected_before_sql_and_writes_nothing() {
+    let db = TestDb::migrated();
+    let mut conn = db.conn();
+    let statements = Arc::new(AtomicUsize::new(0));
+    conn.set_instrumentation(Counter(statements.clone()));
+    let cases: Vec<(Message, fn(&InvalidMessage) -> bool)> = vec![
+        (Message::new(""), |e| {
+            matches!(e, InvalidMessage::EmptyTopic)
+        }),
+        (Message::new("x".repeat(256)), |e| {
+            matches!(e, InvalidMessage::TopicTooLong { len: 256, .. })
+        }),
+        (
+            Message::new("t").headers_json(serde_json::json!({"a": 1})),
+            |e| matches!(e, InvalidMessage::BadHeaders(_)),
+        ),
+        (
+            Message::new("t").payload(&"x".repeat(postbox::MAX_PAYLOAD_BYTES + 1)),
+            |e| matches!(e, InvalidMessage::PayloadTooLarge { .. }),
+        ),
+        (Message::new("t").ordered(), |e| {
+            matches!(e, InvalidMessage::OrderedWithoutKey)
+        }),
+    ];
+    for (msg, expected) in cases {
+        // A bad message anywhere in a batch refuses the whole batch.
+        let batch = vec![Message::new("ok"), msg];
+        match postbox::enqueue_many(&mut conn, &batch) {
+            Err(postbox::Error::InvalidMessage(e)) => assert!(expected(&e), "wrong error: {e}"),
+            other => panic!("expected InvalidMessage, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        statements.load(Ordering::SeqCst),
+        0,
+        "SQL ran for invalid input"
+    );
+    assert_eq!(count(&db), 0);
+}
+
+struct Counter(Arc<AtomicUsize>);
+impl Instrumentation for Counter {
+    fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
+        if let InstrumentationEvent::StartQuery { .. } = event {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+#[test]
+fn enqueue_many_of_1000_is_one_round_trip() {
+    let db = TestDb::migrated();
+    let mut conn = db.conn();
+    let statements = Arc::new(AtomicUsize::new(0));
+    conn.set_instrumentation(Counter(statements.clone()));
+    let msgs: Vec<Message> = (0..1000)
+        .map(|i| Message::new("bulk").payload(&i).key(format!("k{i}")))
+        .collect();
+    let out = postbox::enqueue_many(&mut conn, &msgs).unwrap();
+    assert_eq!(statements.load(Ordering::SeqCst), 1);
+    assert_eq!(out.len(), 1000);
+    // Ids come back in input order and match the rows.
+    let ids: Vec<i64> = out.iter().map(|e| e.id().unwrap()).collect();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]));
+    let matching = db.scalar(&format!(
+        "SELECT count(*) AS v FROM postbox.messages WHERE id = {} AND payload = '999' AND key = 'k999'",
+        ids[999]
+    ));
+    assert_eq!(matching, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dedup_key_is_a_no_op_that_names_the_live_message() {
+    let db = TestDb::migrated();
+    let mut conn = db.conn();
+    let first =
+        postbox::enqueue(&mut conn, &Message::new("t").dedup_key("d1").payload(&1)).unwrap();
+    let Enqueued::New(first_id) = first else {
+        panic!("{first:?}")
+    };
+    // Same key, same topic: no-op that names the first. Other topic: independent.
+    let out = postbox::enqueue_many(
+        &mut conn,
+        &[
+            Message::new("t").dedup_key("d1").payload(&2),
+            Message::new("t").payload(&3),
+            Message::new("t").dedup_key("d2").payload(&4),
+            Message::new("t").dedup_key("d2").payload(&5),
+            Message::new("other").dedup_key("d1").payload(&6),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        out[0],
+        Enqueued::Duplicate {
+            existing: Some(first_id)
+        }
+    );
+    assert!(matches!(out[1], Enqueued::New(_)));
+    let Enqueued::New(d2) = out[2] else {
+        panic!("{:?}", out[2])
+    };
+    assert_eq!(out[3], Enqueued::Duplicate { existing: Some(d2) });
+    assert!(matches!(out[4], Enqueued::New(_)));
+    assert_eq!(count(&db), 4);
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE payload = '2'"),
+        0
+    );
+
+    // Once the first is delivered, the key is free again.
+    let store = db.store().await;
+    let claimed = store
+        .claim(10, Duration::from_secs(30), &Topics::only(["t"]))
+        .await
+        .unwrap();
+    let lease = claimed.iter().find(|m| m.id == first_id).unwrap().lease();
+    store.complete(&[lease]).await.unwrap();
+    let again = postbox::enqueue(&mut conn, &Message::new("t").dedup_key("d1")).unwrap();
+    assert!(matches!(again, Enqueued::New(id) if id != first_id));
+}
+
+#[test]
+fn migrations_run_sync_are_idempotent_and_revert() {
+    use diesel_migrations::MigrationHarness;
+    let db = TestDb::empty();
+    let mut conn = db.conn();
+    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), 1);
+    assert!(postbox::migrate(&mut conn).unwrap().is_empty());
+    conn.revert_all_migrations(postbox::MIGRATIONS).unwrap();
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM pg_namespace WHERE nspname = 'postbox'"),
+        0,
+        "down.sql left the schema behind"
+    );
+    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), 1);
+    db.exec("INSERT INTO postbox.messages (topic) VALUES ('t')");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_run_async_and_agree_with_sync_bookkeeping() {
+    let db = TestDb::empty();
+    let mut conn = db.aconn().await;
+    assert_eq!(postbox::migrate_async(&mut conn).await.unwrap().len(), 1);
+    assert!(postbox::migrate_async(&mut conn).await.unwrap().is_empty());
+    // The sync runner (and diesel CLI) see them as applied.
+    assert!(postbox::migrate(&mut db.conn()).unwrap().is_empty());
+    postbox::enqueue_async(&mut conn, &Message::new("t"))
+        .await
+        .unwrap();
+    assert_eq!(count(&db), 1);
+}
+
+#[test]
+fn concurrent_migrations_take_turns() {
+    let db = TestDb::empty();
+    let handles: Vec<_> = (0..4)
+        .map(|_| {
+            let url = db.url.clone();
+            std::thread::spawn(move || {
+                let mut c = diesel::PgConnection::establish(&url).unwrap();
+                postbox::migrate(&mut c).unwrap().len()
+            })
+        })
+        .collect();
+    let applied: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
+    assert_eq!(applied, 1);
+    let _ = diesel::sql_query("SELECT 1")
+        .execute(&mut db.conn())
+        .unwrap();
+}
