@@ -179,7 +179,8 @@ fn bad_input_is_rejected_before_sql_and_writes_nothing() {
     let mut conn = db.conn();
     let statements = Arc::new(AtomicUsize::new(0));
     conn.set_instrumentation(Counter(statements.clone()));
-    let cases: Vec<(Message, fn(&InvalidMessage) -> bool)> = vec![
+    type Expect = fn(&InvalidMessage) -> bool;
+    let cases: Vec<(Message, Expect)> = vec![
         (Message::new(""), |e| {
             matches!(e, InvalidMessage::EmptyTopic)
         }),

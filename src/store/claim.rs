@@ -260,6 +260,42 @@ impl Store {
         rows.sort_unstable_by_key(|m| (m.priority, m.id));
         Ok(rows)
     }
+
+    /// `EXPLAIN (ANALYZE, BUFFERS)` of the claim statement, run in a transaction that is rolled
+    /// back (nothing is claimed). For operators and for the test that keeps the plan honest.
+    pub async fn explain_claim(&self, batch: usize, topics: &Topics) -> Result<String> {
+        use diesel_async::AsyncConnection;
+
+        #[derive(QueryableByName)]
+        struct Line {
+            #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
+            line: String,
+        }
+        let mut conn = self.conn().await?;
+        let sql = format!("EXPLAIN (ANALYZE, BUFFERS) {CLAIM}");
+        let mut plan = String::new();
+        let r = conn
+            .transaction(async |conn| {
+                let lines: Vec<Line> = diesel::sql_query(&sql)
+                    .bind::<Bool, _>(topics.all)
+                    .bind::<Array<Text>, _>(&topics.exact)
+                    .bind::<Array<Text>, _>(&topics.like)
+                    .bind::<BigInt, _>(i64::try_from(batch).unwrap_or(i64::MAX))
+                    .bind::<Double, _>(30.0)
+                    .bind::<BigInt, _>(0)
+                    .bind::<Text, _>("explain")
+                    .load(conn)
+                    .await?;
+                plan = lines.into_iter().map(|l| l.line + "\n").collect();
+                Err::<(), _>(diesel::result::Error::RollbackTransaction)
+            })
+            .await;
+        match r {
+            Err(diesel::result::Error::RollbackTransaction) => Ok(plan),
+            Err(e) => Err(e.into()),
+            Ok(()) => unreachable!("the transaction always rolls back"),
+        }
+    }
 }
 
 #[cfg(test)]

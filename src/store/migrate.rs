@@ -11,6 +11,7 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
 /// The same migrations as (version, up.sql) for the async runner. A unit test keeps the two lists
 /// equal.
+#[cfg_attr(not(feature = "async"), allow(dead_code))]
 pub(crate) const SQL_MIGRATIONS: &[(&str, &str)] = &[(
     "20261130000001",
     include_str!("../../migrations/2026-11-30-000001_postbox_core/up.sql"),
