@@ -149,7 +149,7 @@ fn resolve(
 /// Writes one message on `conn`, inside whatever transaction is open there.
 ///
 /// ```no_run
-/// use diesel::{ExpressionMethods, Insertable, QueryDsl};
+/// use diesel::{Connection, PgConnection};
 /// # fn demo(conn: &mut PgConnection) -> Result<(), postbox::Error> {
 /// conn.transaction(|conn| {
 ///     // diesel::insert_into(orders::table).values(&order).execute(conn)?;
