@@ -37,10 +37,14 @@
 //! sent as the Kafka header `postbox-id`, is the natural idempotency key).
 
 pub mod backoff;
+#[cfg(feature = "engine")]
+pub mod engine;
 pub mod enqueue;
 pub mod error;
 pub mod message;
 pub mod schema;
+#[cfg(feature = "engine")]
+pub mod sink;
 pub mod store;
 
 pub use backoff::Backoff;

@@ -90,6 +90,21 @@ impl Topics {
             || self.like.iter().any(|p| glob(p, topic))
     }
 
+    /// Exactly these topic names (no patterns: a `*` is a literal character here).
+    pub fn exact<I, S>(names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let mut exact: Vec<String> = names.into_iter().map(|s| s.as_ref().to_owned()).collect();
+        exact.sort_unstable();
+        Topics {
+            all: false,
+            exact,
+            like: Vec::new(),
+        }
+    }
+
     /// True if nothing can match.
     pub fn is_empty(&self) -> bool {
         !self.all && self.exact.is_empty() && self.like.is_empty()

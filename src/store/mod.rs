@@ -22,7 +22,7 @@ pub use self::{
     claim::{ClaimedMessage, Topics},
     dead::{DeadLetter, DeadSelector, ReplayReport},
     listen::{listen, register_listener, unregister_listener},
-    settle::{Dead, Retry, RetryReport, Settled},
+    settle::{Dead, RESCUE_BATCH, Retry, RetryReport, Settled},
     stats::{Stats, TopicStats},
 };
 

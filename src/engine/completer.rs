@@ -1,0 +1,130 @@
+//! The completer: outcomes are buffered and written in batches, one statement per kind
+//! (complete, retry, dead-letter, release), like River's batch completer. A flush takes whatever
+//! has arrived, so at low load every outcome is written at once and under load they batch up by
+//! themselves; the bounded channel in front of it is the back-pressure.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::mpsc;
+
+use super::observer::{Observer, Settlement};
+use crate::store::{Dead, Lease, Retry, Store};
+
+/// One outcome to write.
+#[derive(Debug)]
+pub(crate) struct Settle {
+    pub lease: Lease,
+    pub topic: String,
+    pub created_at: DateTime<Utc>,
+    pub kind: SettleKind,
+}
+
+#[derive(Debug)]
+pub(crate) enum SettleKind {
+    Complete,
+    Retry {
+        error: String,
+        delay: Option<Duration>,
+    },
+    Dead {
+        reason: String,
+    },
+    Release,
+}
+
+/// Runs until every sender is gone, then flushes what is left and returns.
+pub(crate) async fn run(
+    store: Store,
+    mut rx: mpsc::Receiver<Settle>,
+    max_batch: usize,
+    observer: Arc<dyn Observer>,
+    sink: String,
+    unwritten: Arc<AtomicUsize>,
+) {
+    let mut buf = Vec::with_capacity(max_batch);
+    while let Some(first) = rx.recv().await {
+        buf.push(first);
+        while buf.len() < max_batch {
+            match rx.try_recv() {
+                Ok(s) => buf.push(s),
+                Err(_) => break,
+            }
+        }
+        let n = buf.len();
+        flush(&store, &mut buf, &*observer, &sink).await;
+        unwritten.fetch_sub(n, Ordering::AcqRel);
+    }
+}
+
+/// Writes a batch, retrying on database errors (with back-off) until it is written: outcomes are
+/// not dropped. If the database stays away long enough, the leases expire and rescue takes over;
+/// the late write is then fenced and counted.
+async fn flush(store: &Store, buf: &mut Vec<Settle>, observer: &dyn Observer, sink: &str) {
+    let mut complete = Vec::new();
+    let mut retry = Vec::new();
+    let mut dead = Vec::new();
+    let mut release = Vec::new();
+    for s in buf.iter() {
+        match &s.kind {
+            SettleKind::Complete => complete.push(s.lease),
+            SettleKind::Retry { error, delay } => retry.push(Retry {
+                lease: s.lease,
+                error: error.clone(),
+                delay: *delay,
+            }),
+            SettleKind::Dead { reason } => dead.push(Dead {
+                lease: s.lease,
+                reason: reason.clone(),
+            }),
+            SettleKind::Release => release.push(s.lease),
+        }
+    }
+    let mut pause = Duration::from_millis(50);
+    let (c, r, d, l) = loop {
+        let result = tokio::try_join!(
+            store.complete(&complete),
+            store.retry(&retry),
+            store.dead_letter(&dead),
+            store.release(&release),
+        );
+        match result {
+            Ok(ok) => break ok,
+            Err(e) => {
+                tracing::warn!(error = %e, outcomes = buf.len(), retry_in = ?pause, "completer cannot write outcomes");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+        }
+    };
+    // Report per message: what happened to it, as the database saw it.
+    let now = Utc::now();
+    let fenced: std::collections::HashSet<i64> = c
+        .fenced
+        .iter()
+        .chain(&r.fenced)
+        .chain(&d.fenced)
+        .chain(&l.fenced)
+        .copied()
+        .collect();
+    let exhausted: std::collections::HashSet<i64> = r.dead.iter().copied().collect();
+    for s in buf.drain(..) {
+        let what = if fenced.contains(&s.lease.id) {
+            Settlement::Fenced
+        } else {
+            match s.kind {
+                SettleKind::Complete => Settlement::Delivered,
+                SettleKind::Retry { .. } if exhausted.contains(&s.lease.id) => {
+                    Settlement::DeadLettered
+                }
+                SettleKind::Retry { .. } => Settlement::Retried,
+                SettleKind::Dead { .. } => Settlement::DeadLettered,
+                SettleKind::Release => Settlement::Released,
+            }
+        };
+        let age = (now - s.created_at).to_std().unwrap_or_default();
+        observer.settled(&s.topic, sink, what, age);
+    }
+}

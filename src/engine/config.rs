@@ -1,0 +1,167 @@
+//! Engine settings: defaults as constants, validation that names the field.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Messages claimed per claim statement.
+pub const DEFAULT_BATCH_SIZE: usize = 100;
+/// Deliveries (handler calls, or sink chunks) running at once.
+pub const DEFAULT_CONCURRENCY: usize = 100;
+/// How long a claim holds a message before another relay may take it; extended automatically
+/// (every third of it) while the delivery still runs.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// Fallback poll while waiting for a notification: finds everything even if none ever arrives.
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(5);
+/// After finding work, keep polling this long (every [`LINGER_STEP`]) before going back to
+/// waiting for a notification; see [`EngineConfig::idle_linger`].
+pub const DEFAULT_IDLE_LINGER: Duration = Duration::from_millis(50);
+/// Pause between claims while lingering.
+pub const LINGER_STEP: Duration = Duration::from_millis(1);
+/// How long shutdown waits for running deliveries before handing them back.
+pub const DEFAULT_SHUTDOWN_DEADLINE: Duration = Duration::from_secs(25);
+/// How often expired leases are rescued.
+pub const DEFAULT_RESCUE_INTERVAL: Duration = Duration::from_secs(10);
+/// Most outcomes written per completer flush.
+pub const DEFAULT_COMPLETER_BATCH: usize = 2_000;
+/// Longest pause after the sink reported itself unavailable (doubling from 100 ms).
+pub const DEFAULT_MAX_UNAVAILABLE_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Everything that tunes an engine. `Default` gives the documented defaults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Messages claimed per claim statement.
+    pub batch_size: usize,
+    /// Deliveries running at once (for the handlers sink: handler calls at once).
+    pub concurrency: usize,
+    /// Lease per claim; heartbeats extend it while a delivery runs.
+    pub lease: Duration,
+    /// Fallback poll interval while waiting for a notification.
+    pub poll_interval: Duration,
+    /// After a claim found work, an empty claim does not put the engine to sleep at once: it polls
+    /// every millisecond for this long. Under a steady flow the engine thus never registers as a
+    /// listener, so writers never pay for NOTIFY; a quiet queue is woken by NOTIFY as usual.
+    /// Zero disables lingering.
+    pub idle_linger: Duration,
+    /// Shutdown waits this long for running deliveries, then hands the rest back.
+    pub shutdown_deadline: Duration,
+    /// Rescue interval for expired leases.
+    pub rescue_interval: Duration,
+    /// Most outcomes written per flush of the completer.
+    pub completer_batch: usize,
+    /// Longest back-off after the sink reported itself unavailable.
+    pub max_unavailable_backoff: Duration,
+    /// Stop by itself once nothing claimable is left and nothing is in flight.
+    pub drain: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            batch_size: DEFAULT_BATCH_SIZE,
+            concurrency: DEFAULT_CONCURRENCY,
+            lease: DEFAULT_LEASE,
+            poll_interval: DEFAULT_POLL_INTERVAL,
+            idle_linger: DEFAULT_IDLE_LINGER,
+            shutdown_deadline: DEFAULT_SHUTDOWN_DEADLINE,
+            rescue_interval: DEFAULT_RESCUE_INTERVAL,
+            completer_batch: DEFAULT_COMPLETER_BATCH,
+            max_unavailable_backoff: DEFAULT_MAX_UNAVAILABLE_BACKOFF,
+            drain: false,
+        }
+    }
+}
+
+fn invalid(field: &'static str, problem: impl Into<String>) -> Error {
+    Error::InvalidArgument {
+        field,
+        problem: problem.into(),
+    }
+}
+
+impl EngineConfig {
+    /// Checks every setting; the error names the first field that is wrong.
+    pub fn validate(&self) -> Result<()> {
+        if self.batch_size == 0 || self.batch_size > 10_000 {
+            return Err(invalid(
+                "batch_size",
+                format!("must be between 1 and 10000, got {}", self.batch_size),
+            ));
+        }
+        if self.concurrency == 0 || self.concurrency > 100_000 {
+            return Err(invalid(
+                "concurrency",
+                format!("must be between 1 and 100000, got {}", self.concurrency),
+            ));
+        }
+        if self.lease < Duration::from_secs(1) {
+            return Err(invalid(
+                "lease",
+                format!("must be at least 1s, got {:?}", self.lease),
+            ));
+        }
+        if self.poll_interval < Duration::from_millis(10) {
+            return Err(invalid(
+                "poll_interval",
+                format!("must be at least 10ms, got {:?}", self.poll_interval),
+            ));
+        }
+        if self.idle_linger > self.poll_interval {
+            return Err(invalid("idle_linger", "must not exceed poll_interval"));
+        }
+        if self.rescue_interval.is_zero() {
+            return Err(invalid("rescue_interval", "must be greater than zero"));
+        }
+        if self.completer_batch == 0 {
+            return Err(invalid("completer_batch", "must be at least 1"));
+        }
+        if self.max_unavailable_backoff < Duration::from_millis(100) {
+            return Err(invalid("max_unavailable_backoff", "must be at least 100ms"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_errors_name_the_field() {
+        EngineConfig::default().validate().unwrap();
+        let cases: [(EngineConfig, &str); 4] = [
+            (
+                EngineConfig {
+                    batch_size: 0,
+                    ..Default::default()
+                },
+                "batch_size",
+            ),
+            (
+                EngineConfig {
+                    concurrency: 0,
+                    ..Default::default()
+                },
+                "concurrency",
+            ),
+            (
+                EngineConfig {
+                    lease: Duration::from_millis(10),
+                    ..Default::default()
+                },
+                "lease",
+            ),
+            (
+                EngineConfig {
+                    poll_interval: Duration::ZERO,
+                    ..Default::default()
+                },
+                "poll_interval",
+            ),
+        ];
+        for (c, field) in cases {
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.starts_with(field), "{e}");
+        }
+    }
+}

@@ -1,0 +1,330 @@
+//! The engine of DESIGN §1: producer (claim loop), dispatcher (deliveries under a concurrency
+//! limit, leases extended while they run), completer (batched outcomes), notifier (LISTEN with
+//! a polling fallback), maintenance (rescue), graceful shutdown. The same engine runs embedded in
+//! an app with [`Handlers`](crate::sink::handlers::Handlers) and inside the relay with other sinks.
+//!
+//! ```no_run
+//! use postbox::engine::Engine;
+//! use postbox::sink::handlers::{Handlers, Job};
+//! use tokio_util::sync::CancellationToken;
+//!
+//! # async fn run() -> Result<(), postbox::Error> {
+//! let handlers = Handlers::new().on("order.created", |job: Job<serde_json::Value>| async move {
+//!     println!("order {}", job.payload);
+//!     Ok(())
+//! });
+//! let engine = Engine::builder("postgres://postgres@localhost/app").handlers(handlers).build().await?;
+//! let shutdown = CancellationToken::new();
+//! let report = engine.run(shutdown.clone()).await?; // until shutdown.cancel()
+//! # Ok(()) }
+//! ```
+
+mod completer;
+pub mod config;
+pub mod maintenance;
+mod notifier;
+pub mod observer;
+mod producer;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+pub use self::config::EngineConfig;
+pub use self::maintenance::Rescuer;
+pub use self::observer::{Counters, NoObserver, Observer, RunReport, Settlement};
+use self::producer::{InFlight, Producer, SinkHealth};
+use crate::backoff::Backoff;
+use crate::error::{Error, Result};
+use crate::sink::Sink;
+use crate::sink::handlers::Handlers;
+use crate::store::{Pool, Store};
+
+/// Connections the engine's own pool opens: claims, up to four completer statements at once,
+/// heartbeats and rescue.
+pub const DEFAULT_POOL_SIZE: u32 = 10;
+
+/// Builds an [`Engine`]; every setting has a documented default (see [`config`]).
+pub struct EngineBuilder {
+    database_url: String,
+    store: Option<Store>,
+    pool: Option<Pool>,
+    sink: Option<Arc<dyn Sink>>,
+    config: EngineConfig,
+    backoff: Option<Backoff>,
+    observer: Arc<dyn Observer>,
+    listen: bool,
+}
+
+impl EngineBuilder {
+    /// Uses this store (and its pool) instead of opening a pool of its own.
+    pub fn store(mut self, store: Store) -> Self {
+        self.store = Some(store);
+        self
+    }
+    /// Uses this pool instead of opening one.
+    pub fn pool(mut self, pool: Pool) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+    /// Delivers to `sink`.
+    pub fn sink(mut self, sink: impl Sink) -> Self {
+        self.sink = Some(Arc::new(sink));
+        self
+    }
+    /// Delivers to a shared sink.
+    pub fn sink_arc(mut self, sink: Arc<dyn Sink>) -> Self {
+        self.sink = Some(sink);
+        self
+    }
+    /// The embedded queue: delivers to in-process handlers.
+    pub fn handlers(self, handlers: Handlers) -> Self {
+        self.sink(handlers)
+    }
+    /// All settings at once.
+    pub fn config(mut self, config: EngineConfig) -> Self {
+        self.config = config;
+        self
+    }
+    /// Messages per claim (default 100).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.config.batch_size = n;
+        self
+    }
+    /// Deliveries at once (default 100).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.config.concurrency = n;
+        self
+    }
+    /// Lease per claim (default 30 s).
+    pub fn lease(mut self, d: Duration) -> Self {
+        self.config.lease = d;
+        self
+    }
+    /// Fallback poll interval (default 5 s).
+    pub fn poll_interval(mut self, d: Duration) -> Self {
+        self.config.poll_interval = d;
+        self
+    }
+    /// Shutdown deadline (default 25 s).
+    pub fn shutdown_deadline(mut self, d: Duration) -> Self {
+        self.config.shutdown_deadline = d;
+        self
+    }
+    /// Retry policy (default [`Backoff::default`]).
+    pub fn backoff(mut self, b: Backoff) -> Self {
+        self.backoff = Some(b);
+        self
+    }
+    /// Receives the engine's events (metrics).
+    pub fn observer(mut self, o: Arc<dyn Observer>) -> Self {
+        self.observer = o;
+        self
+    }
+    /// Stop once nothing claimable is left.
+    pub fn drain(mut self, drain: bool) -> Self {
+        self.config.drain = drain;
+        self
+    }
+    /// Without LISTEN/NOTIFY: find work by polling only (default: listen).
+    pub fn listen(mut self, listen: bool) -> Self {
+        self.listen = listen;
+        self
+    }
+
+    /// Validates the settings (errors name the field) and opens the pool if none was given.
+    pub async fn build(self) -> Result<Engine> {
+        self.config.validate()?;
+        let sink = self.sink.ok_or(Error::InvalidArgument {
+            field: "sink",
+            problem: "no sink or handlers given".into(),
+        })?;
+        let topics = sink.topics();
+        if topics.is_empty() {
+            return Err(Error::InvalidArgument {
+                field: "sink",
+                problem: format!("sink {:?} serves no topics", sink.name()),
+            });
+        }
+        let mut store = match (self.store, self.pool) {
+            (Some(s), _) => s,
+            (None, Some(p)) => Store::new(p),
+            (None, None) => Store::connect(&self.database_url, DEFAULT_POOL_SIZE).await?,
+        };
+        if let Some(b) = self.backoff {
+            store = store.with_backoff(b)?;
+        }
+        Ok(Engine {
+            store,
+            sink,
+            config: self.config,
+            database_url: self.database_url,
+            observer: self.observer,
+            counters: Arc::new(Counters::default()),
+            listen: self.listen,
+        })
+    }
+}
+
+/// A configured engine; [`Engine::run`] drives it.
+pub struct Engine {
+    store: Store,
+    sink: Arc<dyn Sink>,
+    config: EngineConfig,
+    database_url: String,
+    observer: Arc<dyn Observer>,
+    counters: Arc<Counters>,
+    listen: bool,
+}
+
+impl Engine {
+    /// Starts building an engine for the database at `database_url` (also used for the
+    /// notifier's dedicated LISTEN connection).
+    pub fn builder(database_url: impl Into<String>) -> EngineBuilder {
+        EngineBuilder {
+            database_url: database_url.into(),
+            store: None,
+            pool: None,
+            sink: None,
+            config: EngineConfig::default(),
+            backoff: None,
+            observer: Arc::new(NoObserver),
+            listen: true,
+        }
+    }
+
+    /// Live totals (claimed, delivered, ...), readable while the engine runs.
+    pub fn counters(&self) -> Arc<Counters> {
+        self.counters.clone()
+    }
+
+    /// The store the engine works on.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Runs until `shutdown` is cancelled (or, in drain mode, until nothing is left), then shuts
+    /// down gracefully: stops claiming, hands back what it had not started, lets running
+    /// deliveries finish within the shutdown deadline, hands back the rest without using their
+    /// attempts, writes every outcome, and returns what it did.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<RunReport> {
+        self.run_until(shutdown, CancellationToken::new()).await
+    }
+
+    /// [`Engine::run`], with a second token that cuts the shutdown deadline short (a second
+    /// signal): running deliveries are abandoned and handed back at once.
+    pub async fn run_until(
+        self,
+        shutdown: CancellationToken,
+        hard_stop: CancellationToken,
+    ) -> Result<RunReport> {
+        let observer: Arc<dyn Observer> = Arc::new(observer::Counting {
+            counters: self.counters.clone(),
+            inner: self.observer.clone(),
+        });
+        let background = CancellationToken::new();
+        let inflight = Arc::new(InFlight::default());
+        let unwritten = Arc::new(AtomicUsize::new(0));
+        let (settle_tx, settle_rx) = tokio::sync::mpsc::channel(self.config.completer_batch * 2);
+        let completer = tokio::spawn(completer::run(
+            self.store.clone(),
+            settle_rx,
+            self.config.completer_batch,
+            observer.clone(),
+            self.sink.name().to_owned(),
+            unwritten.clone(),
+        ));
+        let wake = Arc::new(Notify::new());
+        let (notifier, notifier_task) = if self.listen && !self.config.drain {
+            let obs = observer.clone();
+            let (n, t) = notifier::Notifier::spawn(
+                self.database_url.clone(),
+                notifier::NotifierShared {
+                    wake: wake.clone(),
+                    connected: Arc::new(AtomicBool::new(false)),
+                    on_connected: Box::new(move |up| obs.notifier_connected(up)),
+                },
+                background.clone(),
+            );
+            (Some(n), Some(t))
+        } else {
+            (None, None)
+        };
+        let heartbeat = tokio::spawn(producer::heartbeat(
+            self.store.clone(),
+            inflight.clone(),
+            self.config.lease,
+            observer.clone(),
+            background.clone(),
+        ));
+        let rescuer = tokio::spawn(
+            Rescuer::new(self.store.clone(), self.config.rescue_interval).run(background.clone()),
+        );
+
+        let producer = Producer {
+            store: self.store.clone(),
+            sink: self.sink.clone(),
+            topics: self.sink.topics(),
+            config: self.config.clone(),
+            observer: observer.clone(),
+            inflight: inflight.clone(),
+            health: Arc::new(SinkHealth::new(self.config.max_unavailable_backoff)),
+            settle_tx,
+            unwritten,
+            wake,
+            notifier,
+            shutdown: shutdown.clone(),
+        };
+        let (mut running, unstarted) = producer.run().await;
+
+        // Shutdown. What was claimed but not started goes back at once.
+        if !unstarted.is_empty() {
+            self.release(&unstarted, &*observer).await;
+        }
+        let finished = tokio::select! {
+            _ = async { while running.join_next().await.is_some() {} } => true,
+            _ = tokio::time::sleep(self.config.shutdown_deadline) => false,
+            _ = hard_stop.cancelled() => false,
+        };
+        if !finished {
+            tracing::warn!(
+                running = running.len(),
+                "shutdown deadline reached; handing back running messages"
+            );
+            running.abort_all();
+            while running.join_next().await.is_some() {}
+        }
+        // Every sender is gone once the deliveries are: the completer writes what it has and ends.
+        let _ = completer.await;
+        let abandoned = inflight.take_all();
+        if !abandoned.is_empty() {
+            self.release(&abandoned, &*observer).await;
+        }
+        background.cancel();
+        let _ = heartbeat.await;
+        let _ = rescuer.await;
+        if let Some(t) = notifier_task {
+            let _ = t.await;
+        }
+        Ok(self.counters.snapshot())
+    }
+
+    async fn release(&self, leases: &[crate::store::Lease], observer: &dyn Observer) {
+        match self.store.release(leases).await {
+            Ok(r) => {
+                for _ in &r.done {
+                    observer.settled("", self.sink.name(), Settlement::Released, Duration::ZERO);
+                }
+                for _ in &r.fenced {
+                    observer.settled("", self.sink.name(), Settlement::Fenced, Duration::ZERO);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, n = leases.len(), "could not hand back messages; their leases will expire")
+            }
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! The notifier: one dedicated connection that LISTENs on channel `postbox`, registers as a
+//! waiting listener when the producer asks, and wakes the producer on every notification.
+//! Reconnects with backoff when the connection drops, and wakes the producer after reconnecting
+//! (notifications sent while it was away are lost; a claim finds their messages).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use futures_util::StreamExt;
+use tokio::sync::{Notify, mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::store;
+
+enum Command {
+    /// Register as waiting; answers once the registration committed.
+    Arm(oneshot::Sender<bool>),
+    /// Unregister (work found without a notification).
+    Disarm,
+}
+
+/// Handle to the notifier task.
+#[derive(Clone)]
+pub(crate) struct Notifier {
+    commands: mpsc::Sender<Command>,
+    connected: Arc<AtomicBool>,
+}
+
+/// What the notifier shares with the engine.
+pub(crate) struct NotifierShared {
+    pub wake: Arc<Notify>,
+    pub connected: Arc<AtomicBool>,
+    pub on_connected: Box<dyn Fn(bool) + Send + Sync>,
+}
+
+impl Notifier {
+    pub(crate) fn spawn(
+        url: String,
+        shared: NotifierShared,
+        stop: CancellationToken,
+    ) -> (Notifier, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = mpsc::channel(16);
+        let handle = Notifier {
+            commands: tx,
+            connected: shared.connected.clone(),
+        };
+        let task = tokio::spawn(run(url, shared, rx, stop));
+        (handle, task)
+    }
+
+    /// Registers as waiting. `false` if not connected: then only polling will find new work.
+    pub(crate) async fn arm(&self) -> bool {
+        if !self.connected.load(Ordering::Acquire) {
+            return false;
+        }
+        let (ack, answer) = oneshot::channel();
+        if self.commands.send(Command::Arm(ack)).await.is_err() {
+            return false;
+        }
+        matches!(
+            tokio::time::timeout(Duration::from_secs(2), answer).await,
+            Ok(Ok(true))
+        )
+    }
+
+    /// Unregisters, without waiting.
+    pub(crate) fn disarm(&self) {
+        let _ = self.commands.try_send(Command::Disarm);
+    }
+}
+
+enum Event {
+    Notified,
+    Lost(String),
+    Command(Option<Command>),
+    HealthCheck,
+    Stop,
+}
+
+async fn run(
+    url: String,
+    shared: NotifierShared,
+    mut commands: mpsc::Receiver<Command>,
+    stop: CancellationToken,
+) {
+    let mut backoff = Duration::from_millis(100);
+    'connect: loop {
+        if stop.is_cancelled() {
+            return;
+        }
+        let mut conn = match connect(&url).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?backoff, "notifier cannot connect");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = stop.cancelled() => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        shared.connected.store(true, Ordering::Release);
+        (shared.on_connected)(true);
+        tracing::debug!("notifier listening on channel postbox");
+        // Anything committed while we were not listening is found by a claim.
+        shared.wake.notify_one();
+        let mut armed = false;
+        loop {
+            let event = {
+                let mut stream = std::pin::pin!(conn.notifications_stream());
+                tokio::select! {
+                    n = stream.next() => match n {
+                        Some(Ok(_)) => Event::Notified,
+                        Some(Err(e)) => Event::Lost(e.to_string()),
+                        None => Event::Lost("connection closed".into()),
+                    },
+                    c = commands.recv() => Event::Command(c),
+                    _ = tokio::time::sleep(Duration::from_secs(5)) => Event::HealthCheck,
+                    _ = stop.cancelled() => Event::Stop,
+                }
+            };
+            let result = match event {
+                Event::Notified => {
+                    shared.wake.notify_one();
+                    if armed {
+                        armed = false;
+                        store::unregister_listener(&mut conn).await
+                    } else {
+                        Ok(())
+                    }
+                }
+                Event::Lost(e) => Err(crate::Error::Pool(e)),
+                Event::Command(Some(Command::Arm(ack))) => {
+                    let r = if armed {
+                        Ok(())
+                    } else {
+                        store::register_listener(&mut conn).await
+                    };
+                    armed = r.is_ok();
+                    let _ = ack.send(armed);
+                    r
+                }
+                Event::Command(Some(Command::Disarm)) => {
+                    if armed {
+                        armed = false;
+                        store::unregister_listener(&mut conn).await
+                    } else {
+                        Ok(())
+                    }
+                }
+                Event::HealthCheck => conn.batch_execute("SELECT 1").await.map_err(Into::into),
+                Event::Command(None) | Event::Stop => {
+                    if armed {
+                        let _ = store::unregister_listener(&mut conn).await;
+                    }
+                    shared.connected.store(false, Ordering::Release);
+                    (shared.on_connected)(false);
+                    return;
+                }
+            };
+            if let Err(e) = result {
+                shared.connected.store(false, Ordering::Release);
+                (shared.on_connected)(false);
+                tracing::warn!(error = %e, "notifier connection lost; reconnecting");
+                // Pending arm requests are answered `false` by their dropped senders.
+                while let Ok(c) = commands.try_recv() {
+                    drop(c);
+                }
+                // The producer polls meanwhile; wake it so it does not wait a whole interval.
+                shared.wake.notify_one();
+                continue 'connect;
+            }
+        }
+    }
+}
+
+async fn connect(url: &str) -> crate::Result<AsyncPgConnection> {
+    let mut conn = AsyncPgConnection::establish(url).await?;
+    // A backend that died while registered left its row; register_listener also cleans those.
+    store::unregister_listener(&mut conn).await?;
+    store::listen(&mut conn).await?;
+    Ok(conn)
+}

@@ -1,0 +1,110 @@
+//! What the engine reports as it runs: counters for tests and reports, and the hook the relay's
+//! Prometheus metrics plug into.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// What finally happened to one claimed message, as written to the database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settlement {
+    Delivered,
+    Retried,
+    DeadLettered,
+    /// Handed back without using an attempt (shutdown, sink outage).
+    Released,
+    /// The write matched no row: the lease had expired and the message was claimed again.
+    Fenced,
+}
+
+/// Receives the engine's events. Every method has a no-op default.
+pub trait Observer: Send + Sync + 'static {
+    /// A claim statement returned `n` messages.
+    fn claimed(&self, _n: usize) {}
+    /// A message was settled; `age` is from its creation to now (end-to-end latency when
+    /// delivered).
+    fn settled(&self, _topic: &str, _sink: &str, _what: Settlement, _age: Duration) {}
+    /// A sink call took `elapsed` for `n` messages.
+    fn delivery(&self, _sink: &str, _n: usize, _elapsed: Duration) {}
+    /// The sink became available (`true`) or unavailable.
+    fn sink_up(&self, _sink: &str, _up: bool) {}
+    /// The notifier connection came up or went down.
+    fn notifier_connected(&self, _up: bool) {}
+    /// Heartbeats found these many leases gone.
+    fn lease_lost(&self, _n: usize) {}
+}
+
+/// Totals since the engine started.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub claimed: AtomicU64,
+    pub delivered: AtomicU64,
+    pub retried: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub released: AtomicU64,
+    pub fenced: AtomicU64,
+}
+
+impl Counters {
+    /// A copy of the totals.
+    pub fn snapshot(&self) -> RunReport {
+        RunReport {
+            claimed: self.claimed.load(Ordering::Relaxed),
+            delivered: self.delivered.load(Ordering::Relaxed),
+            retried: self.retried.load(Ordering::Relaxed),
+            dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
+            released: self.released.load(Ordering::Relaxed),
+            fenced: self.fenced.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// What an engine did, returned when it stops.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunReport {
+    pub claimed: u64,
+    pub delivered: u64,
+    pub retried: u64,
+    pub dead_lettered: u64,
+    pub released: u64,
+    pub fenced: u64,
+}
+
+/// Counts into [`Counters`], then passes the event on.
+pub(crate) struct Counting {
+    pub counters: std::sync::Arc<Counters>,
+    pub inner: std::sync::Arc<dyn Observer>,
+}
+
+impl Observer for Counting {
+    fn claimed(&self, n: usize) {
+        self.counters.claimed.fetch_add(n as u64, Ordering::Relaxed);
+        self.inner.claimed(n);
+    }
+    fn settled(&self, topic: &str, sink: &str, what: Settlement, age: Duration) {
+        let c = match what {
+            Settlement::Delivered => &self.counters.delivered,
+            Settlement::Retried => &self.counters.retried,
+            Settlement::DeadLettered => &self.counters.dead_lettered,
+            Settlement::Released => &self.counters.released,
+            Settlement::Fenced => &self.counters.fenced,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+        self.inner.settled(topic, sink, what, age);
+    }
+    fn delivery(&self, sink: &str, n: usize, elapsed: Duration) {
+        self.inner.delivery(sink, n, elapsed);
+    }
+    fn sink_up(&self, sink: &str, up: bool) {
+        self.inner.sink_up(sink, up);
+    }
+    fn notifier_connected(&self, up: bool) {
+        self.inner.notifier_connected(up);
+    }
+    fn lease_lost(&self, n: usize) {
+        self.inner.lease_lost(n);
+    }
+}
+
+/// Ignores everything.
+pub struct NoObserver;
+impl Observer for NoObserver {}

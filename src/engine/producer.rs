@@ -1,0 +1,409 @@
+//! The producer: claims, dispatches to the sink under the concurrency limit, and decides when to
+//! wait. Also the in-flight registry that heartbeats extend and shutdown hands back.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::FutureExt;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::completer::{Settle, SettleKind};
+use super::config::{EngineConfig, LINGER_STEP};
+use super::notifier::Notifier;
+use super::observer::Observer;
+use crate::sink::{Outcome, Sink, Unavailable};
+use crate::store::{ClaimedMessage, Lease, Store, Topics};
+
+/// Messages claimed by this engine whose outcome has not reached the completer yet.
+#[derive(Default)]
+pub(crate) struct InFlight {
+    leases: Mutex<HashMap<i64, Lease>>,
+}
+
+impl InFlight {
+    fn add(&self, batch: &[ClaimedMessage]) {
+        let mut m = self.leases.lock().expect("in-flight lock");
+        m.extend(batch.iter().map(|c| (c.id, c.lease())));
+    }
+    fn remove(&self, id: i64) {
+        self.leases.lock().expect("in-flight lock").remove(&id);
+    }
+    fn forget(&self, leases: &[Lease]) {
+        let mut m = self.leases.lock().expect("in-flight lock");
+        for l in leases {
+            m.remove(&l.id);
+        }
+    }
+    pub(crate) fn leases(&self) -> Vec<Lease> {
+        self.leases
+            .lock()
+            .expect("in-flight lock")
+            .values()
+            .copied()
+            .collect()
+    }
+    pub(crate) fn take_all(&self) -> Vec<Lease> {
+        self.leases
+            .lock()
+            .expect("in-flight lock")
+            .drain()
+            .map(|(_, l)| l)
+            .collect()
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.leases.lock().expect("in-flight lock").len()
+    }
+}
+
+/// Whether the sink is taking messages; after it reports itself unavailable the producer pauses,
+/// doubling the pause on every consecutive report.
+pub(crate) struct SinkHealth {
+    failures: AtomicU32,
+    paused_until: Mutex<Option<Instant>>,
+    max: Duration,
+}
+
+impl SinkHealth {
+    pub(crate) fn new(max: Duration) -> Self {
+        SinkHealth {
+            failures: AtomicU32::new(0),
+            paused_until: Mutex::new(None),
+            max,
+        }
+    }
+    fn down(&self, observer: &dyn Observer, sink: &str, reason: &str) {
+        let n = self.failures.fetch_add(1, Ordering::AcqRel);
+        let pause = (Duration::from_millis(100) * 2u32.saturating_pow(n.min(20))).min(self.max);
+        *self.paused_until.lock().expect("health lock") = Some(Instant::now() + pause);
+        if n == 0 {
+            observer.sink_up(sink, false);
+        }
+        tracing::warn!(sink, reason, pause = ?pause, "sink unavailable; batch handed back");
+    }
+    fn up(&self, observer: &dyn Observer, sink: &str) {
+        if self.failures.swap(0, Ordering::AcqRel) > 0 {
+            observer.sink_up(sink, true);
+            tracing::info!(sink, "sink available again");
+        }
+    }
+    fn paused_until(&self) -> Option<Instant> {
+        let until = *self.paused_until.lock().expect("health lock");
+        until.filter(|t| *t > Instant::now())
+    }
+}
+
+/// Everything the producer works with.
+pub(crate) struct Producer {
+    pub store: Store,
+    pub sink: Arc<dyn Sink>,
+    pub topics: Topics,
+    pub config: EngineConfig,
+    pub observer: Arc<dyn Observer>,
+    pub inflight: Arc<InFlight>,
+    pub health: Arc<SinkHealth>,
+    pub settle_tx: mpsc::Sender<Settle>,
+    /// Outcomes sent to the completer and not yet written.
+    pub unwritten: Arc<AtomicUsize>,
+    pub wake: Arc<Notify>,
+    pub notifier: Option<Notifier>,
+    pub shutdown: CancellationToken,
+}
+
+impl Producer {
+    /// Claims and dispatches until shutdown (or, in drain mode, until nothing is left). Returns
+    /// the running deliveries and the leases it claimed but could not start.
+    pub(crate) async fn run(self) -> (JoinSet<()>, Vec<Lease>) {
+        let chunk = self.sink.max_batch().max(1);
+        let permits = Arc::new(Semaphore::new(self.config.concurrency));
+        let mut tasks = JoinSet::new();
+        let mut linger_until: Option<Instant> = None;
+        let mut db_pause = Duration::from_millis(100);
+        loop {
+            while tasks.try_join_next().is_some() {}
+            if self.shutdown.is_cancelled() {
+                return (tasks, Vec::new());
+            }
+            if let Some(until) = self.health.paused_until() {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(until.into()) => {}
+                    _ = self.shutdown.cancelled() => {}
+                }
+                continue;
+            }
+            // Wait for room.
+            if permits.available_permits() == 0 {
+                tokio::select! {
+                    p = permits.acquire() => drop(p),
+                    _ = self.shutdown.cancelled() => {}
+                }
+                continue;
+            }
+            let want = (permits.available_permits() * chunk).min(self.config.batch_size);
+            let batch = match self
+                .store
+                .claim(want, self.config.lease, &self.topics)
+                .await
+            {
+                Ok(b) => {
+                    db_pause = Duration::from_millis(100);
+                    b
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_in = ?db_pause, "claim failed");
+                    tokio::select! {
+                        _ = tokio::time::sleep(db_pause) => {}
+                        _ = self.shutdown.cancelled() => {}
+                    }
+                    db_pause = (db_pause * 2).min(Duration::from_secs(10));
+                    continue;
+                }
+            };
+            let got = batch.len();
+            self.observer.claimed(got);
+            if got > 0 {
+                let unstarted = self.dispatch(batch, chunk, &permits, &mut tasks).await;
+                if !unstarted.is_empty() {
+                    return (tasks, unstarted);
+                }
+                if got == want {
+                    continue; // there may be more right now
+                }
+                linger_until = Some(Instant::now() + self.config.idle_linger);
+            }
+            if self.config.drain {
+                if self.drained(&mut tasks).await {
+                    return (tasks, Vec::new());
+                }
+                continue;
+            }
+            // Nothing (more) claimable right now.
+            if let Some(until) = linger_until {
+                if Instant::now() < until {
+                    self.pause(LINGER_STEP).await;
+                    continue;
+                }
+                linger_until = None;
+            }
+            if let Some(n) = &self.notifier {
+                if n.arm().await {
+                    // Registered: look once more, so nothing committed before the registration
+                    // is left waiting for the next poll.
+                    match self
+                        .store
+                        .claim(want, self.config.lease, &self.topics)
+                        .await
+                    {
+                        Ok(b) if !b.is_empty() => {
+                            n.disarm();
+                            self.observer.claimed(b.len());
+                            let unstarted = self.dispatch(b, chunk, &permits, &mut tasks).await;
+                            if !unstarted.is_empty() {
+                                return (tasks, unstarted);
+                            }
+                            linger_until = Some(Instant::now() + self.config.idle_linger);
+                            continue;
+                        }
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(error = %e, "claim failed"),
+                    }
+                }
+            }
+            tokio::select! {
+                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(self.config.poll_interval) => {}
+                _ = self.shutdown.cancelled() => {}
+            }
+        }
+    }
+
+    async fn pause(&self, d: Duration) {
+        tokio::select! {
+            _ = tokio::time::sleep(d) => {}
+            _ = self.wake.notified() => {}
+            _ = self.shutdown.cancelled() => {}
+        }
+    }
+
+    /// Drain mode: true once nothing is in flight, every outcome is written and a claim still
+    /// finds nothing (an outcome may have made a message claimable again).
+    async fn drained(&self, tasks: &mut JoinSet<()>) -> bool {
+        if !tasks.is_empty()
+            || self.inflight.len() > 0
+            || self.unwritten.load(Ordering::Acquire) > 0
+        {
+            self.pause(LINGER_STEP).await;
+            return false;
+        }
+        true
+    }
+
+    /// Starts deliveries chunk by chunk as permits allow; on shutdown, returns the leases it did
+    /// not start.
+    async fn dispatch(
+        &self,
+        batch: Vec<ClaimedMessage>,
+        chunk: usize,
+        permits: &Arc<Semaphore>,
+        tasks: &mut JoinSet<()>,
+    ) -> Vec<Lease> {
+        self.inflight.add(&batch);
+        let mut rest = batch.into_iter().peekable();
+        while rest.peek().is_some() {
+            let permit = tokio::select! {
+                biased;
+                p = permits.clone().acquire_owned() => p.expect("semaphore is never closed"),
+                _ = self.shutdown.cancelled() => {
+                    let unstarted: Vec<Lease> = rest.map(|m| m.lease()).collect();
+                    self.inflight.forget(&unstarted);
+                    return unstarted;
+                }
+            };
+            let part: Vec<ClaimedMessage> = rest.by_ref().take(chunk).collect();
+            tasks.spawn(deliver(
+                self.sink.clone(),
+                part,
+                permit,
+                self.settle_tx.clone(),
+                self.inflight.clone(),
+                self.observer.clone(),
+                self.health.clone(),
+                self.unwritten.clone(),
+            ));
+        }
+        Vec::new()
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn deliver(
+    sink: Arc<dyn Sink>,
+    chunk: Vec<ClaimedMessage>,
+    permit: OwnedSemaphorePermit,
+    tx: mpsc::Sender<Settle>,
+    inflight: Arc<InFlight>,
+    observer: Arc<dyn Observer>,
+    health: Arc<SinkHealth>,
+    unwritten: Arc<AtomicUsize>,
+) {
+    let meta: Vec<(Lease, String, chrono::DateTime<chrono::Utc>)> = chunk
+        .iter()
+        .map(|m| (m.lease(), m.topic.clone(), m.created_at))
+        .collect();
+    let n = chunk.len();
+    let started = Instant::now();
+    let result = AssertUnwindSafe(sink.deliver(chunk)).catch_unwind().await;
+    observer.delivery(sink.name(), n, started.elapsed());
+    let kinds: Vec<SettleKind> = match result {
+        Ok(Ok(outcomes)) if outcomes.len() == n => {
+            health.up(&*observer, sink.name());
+            outcomes.into_iter().map(SettleKind::from).collect()
+        }
+        Ok(Ok(outcomes)) => {
+            let error = format!(
+                "sink {} returned {} outcomes for {n} messages",
+                sink.name(),
+                outcomes.len()
+            );
+            tracing::error!("{error}");
+            (0..n)
+                .map(|_| SettleKind::Retry {
+                    error: error.clone(),
+                    delay: None,
+                })
+                .collect()
+        }
+        Ok(Err(Unavailable(reason))) => {
+            health.down(&*observer, sink.name(), &reason);
+            (0..n).map(|_| SettleKind::Release).collect()
+        }
+        Err(panic) => {
+            let error = format!("panicked: {}", panic_message(&*panic));
+            (0..n)
+                .map(|_| SettleKind::Retry {
+                    error: error.clone(),
+                    delay: None,
+                })
+                .collect()
+        }
+    };
+    for ((lease, topic, created_at), kind) in meta.into_iter().zip(kinds) {
+        unwritten.fetch_add(1, Ordering::AcqRel);
+        if tx
+            .send(Settle {
+                lease,
+                topic,
+                created_at,
+                kind,
+            })
+            .await
+            .is_err()
+        {
+            unwritten.fetch_sub(1, Ordering::AcqRel);
+            break; // completer gone: shutdown releases what is left in flight
+        }
+        inflight.remove(lease.id);
+    }
+    drop(permit);
+}
+
+impl From<Outcome> for SettleKind {
+    fn from(o: Outcome) -> Self {
+        match o {
+            Outcome::Delivered => SettleKind::Complete,
+            Outcome::Retry { reason, delay } => SettleKind::Retry {
+                error: reason,
+                delay,
+            },
+            Outcome::Dead { reason } => SettleKind::Dead { reason },
+        }
+    }
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
+    }
+}
+
+/// Extends the leases of everything in flight every third of the lease.
+pub(crate) async fn heartbeat(
+    store: Store,
+    inflight: Arc<InFlight>,
+    lease: Duration,
+    observer: Arc<dyn Observer>,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(lease / 3);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.cancelled() => return,
+        }
+        let leases = inflight.leases();
+        if leases.is_empty() {
+            continue;
+        }
+        match store.extend(&leases, lease).await {
+            Ok(r) if !r.fenced.is_empty() => {
+                tracing::warn!(
+                    lost = r.fenced.len(),
+                    "leases lost before delivery finished; their outcomes will be fenced"
+                );
+                observer.lease_lost(r.fenced.len());
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "lease extension failed"),
+        }
+    }
+}

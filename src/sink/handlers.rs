@@ -1,0 +1,203 @@
+//! In-process handlers: the embedded queue. Async functions registered per topic receive the
+//! typed payload; their result decides the message's fate.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
+use serde::de::DeserializeOwned;
+
+use super::{Outcome, Sink, Unavailable};
+use crate::message::MessageId;
+use crate::store::{ClaimedMessage, Topics};
+
+/// A message handed to a handler, with its payload deserialized.
+#[derive(Debug, Clone)]
+pub struct Job<T> {
+    pub payload: T,
+    pub id: MessageId,
+    pub topic: String,
+    pub key: Option<String>,
+    pub headers: BTreeMap<String, String>,
+    /// 1 on the first delivery.
+    pub attempt: i32,
+    pub max_attempts: i32,
+    pub created_at: DateTime<Utc>,
+    /// The error of the previous attempt, if any.
+    pub last_error: Option<String>,
+}
+
+/// How a handler fails. Any `std::error::Error` converts into a retry (so `?` works); ask for
+/// [`HandlerError::dead`] when retrying cannot help.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HandlerError {
+    /// Try again after the backoff, or after `delay`.
+    Retry {
+        reason: String,
+        delay: Option<Duration>,
+    },
+    /// Never going to work: dead-letter now.
+    Dead { reason: String },
+}
+
+impl HandlerError {
+    /// Retry after the engine's backoff.
+    pub fn retry(reason: impl Into<String>) -> Self {
+        HandlerError::Retry {
+            reason: reason.into(),
+            delay: None,
+        }
+    }
+
+    /// Retry after `delay` (for example a rate limit's Retry-After).
+    pub fn retry_after(reason: impl Into<String>, delay: Duration) -> Self {
+        HandlerError::Retry {
+            reason: reason.into(),
+            delay: Some(delay),
+        }
+    }
+
+    /// Dead-letter now with this reason.
+    pub fn dead(reason: impl Into<String>) -> Self {
+        HandlerError::Dead {
+            reason: reason.into(),
+        }
+    }
+}
+
+impl<E: std::error::Error> From<E> for HandlerError {
+    fn from(e: E) -> Self {
+        HandlerError::retry(e.to_string())
+    }
+}
+
+type Erased = dyn Fn(ClaimedMessage) -> BoxFuture<'static, Outcome> + Send + Sync;
+
+/// A set of handlers, one per topic.
+///
+/// ```
+/// use postbox::sink::handlers::{Handlers, HandlerError, Job};
+///
+/// #[derive(serde::Deserialize)]
+/// struct OrderCreated { order_id: i64 }
+///
+/// let handlers = Handlers::new().on("order.created", |job: Job<OrderCreated>| async move {
+///     if job.payload.order_id < 0 {
+///         return Err(HandlerError::dead("negative order id"));
+///     }
+///     Ok(())
+/// });
+/// assert_eq!(handlers.topic_names(), vec!["order.created"]);
+/// ```
+#[derive(Clone, Default)]
+pub struct Handlers {
+    by_topic: HashMap<String, Arc<Erased>>,
+}
+
+impl std::fmt::Debug for Handlers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handlers")
+            .field("topics", &self.topic_names())
+            .finish()
+    }
+}
+
+impl Handlers {
+    /// No handlers yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Handles `topic` with `handler`. The payload is deserialized into `T`; a payload that does
+    /// not deserialize is dead-lettered with the serde error as reason (retrying cannot fix it).
+    /// Registering a topic twice replaces the first handler.
+    pub fn on<T, F, Fut>(mut self, topic: impl Into<String>, handler: F) -> Self
+    where
+        T: DeserializeOwned + Send + 'static,
+        F: Fn(Job<T>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+    {
+        let handler = Arc::new(handler);
+        let erased = move |m: ClaimedMessage| -> BoxFuture<'static, Outcome> {
+            let payload = match T::deserialize(&m.payload) {
+                Ok(p) => p,
+                Err(e) => {
+                    let reason = format!(
+                        "payload does not deserialize into {}: {e}",
+                        std::any::type_name::<T>()
+                    );
+                    return futures_util::future::ready(Outcome::Dead { reason }).boxed();
+                }
+            };
+            let job = Job {
+                payload,
+                id: m.id,
+                topic: m.topic,
+                key: m.key,
+                headers: m.headers,
+                attempt: m.attempts,
+                max_attempts: m.max_attempts,
+                created_at: m.created_at,
+                last_error: m.last_error,
+            };
+            let fut = handler(job);
+            async move {
+                match fut.await {
+                    Ok(()) => Outcome::Delivered,
+                    Err(HandlerError::Retry { reason, delay }) => Outcome::Retry { reason, delay },
+                    Err(HandlerError::Dead { reason }) => Outcome::Dead { reason },
+                }
+            }
+            .boxed()
+        };
+        self.by_topic.insert(topic.into(), Arc::new(erased));
+        self
+    }
+
+    /// The topics with a handler, sorted.
+    pub fn topic_names(&self) -> Vec<&str> {
+        let mut t: Vec<&str> = self.by_topic.keys().map(String::as_str).collect();
+        t.sort_unstable();
+        t
+    }
+}
+
+impl Sink for Handlers {
+    fn name(&self) -> &str {
+        "handlers"
+    }
+
+    fn topics(&self) -> Topics {
+        Topics::exact(self.by_topic.keys())
+    }
+
+    fn max_batch(&self) -> usize {
+        1
+    }
+
+    fn deliver(
+        &self,
+        batch: Vec<ClaimedMessage>,
+    ) -> BoxFuture<'_, Result<Vec<Outcome>, Unavailable>> {
+        async move {
+            let mut out = Vec::with_capacity(batch.len());
+            for m in batch {
+                let outcome = match self.by_topic.get(&m.topic) {
+                    Some(h) => h(m).await,
+                    // Only claimed topics arrive here; keep the message rather than lose it.
+                    None => Outcome::Retry {
+                        reason: format!("no handler for topic {:?}", m.topic),
+                        delay: None,
+                    },
+                };
+                out.push(outcome);
+            }
+            Ok(out)
+        }
+        .boxed()
+    }
+}

@@ -1,0 +1,56 @@
+//! Sinks: where claimed messages go. The engine claims, a sink delivers, the engine settles.
+
+pub mod handlers;
+
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+
+use crate::store::{ClaimedMessage, Topics};
+
+/// What became of one message.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Delivered: delete it.
+    Delivered,
+    /// Failed for now: try again after the backoff, or after `delay` if given. At max attempts
+    /// this dead-letters instead.
+    Retry {
+        reason: String,
+        delay: Option<Duration>,
+    },
+    /// Can never succeed: dead-letter it now with this reason.
+    Dead { reason: String },
+}
+
+/// The sink as a whole cannot deliver right now (broker down). The engine hands the batch back
+/// without using attempts and backs off before claiming again.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("sink unavailable: {0}")]
+pub struct Unavailable(pub String);
+
+/// A destination for messages.
+///
+/// The engine claims up to its batch size, splits the batch into chunks of at most
+/// [`Sink::max_batch`] messages, and runs up to its concurrency limit of chunks at once. A chunk's
+/// future resolves to one [`Outcome`] per message, in the order given. A panic inside `deliver`
+/// is caught by the engine and counts as a retry of the whole chunk, with the panic message.
+pub trait Sink: Send + Sync + 'static {
+    /// Short name for logs and metric labels ("handlers", "kafka", "log").
+    fn name(&self) -> &str;
+
+    /// The topics this sink serves; the engine claims nothing else.
+    fn topics(&self) -> Topics;
+
+    /// Largest chunk `deliver` takes at once: 1 delivers every message on its own (handlers),
+    /// larger values let a sink send a whole batch and await it together (Kafka).
+    fn max_batch(&self) -> usize {
+        usize::MAX
+    }
+
+    /// Delivers `batch`; one outcome per message, same order.
+    fn deliver(
+        &self,
+        batch: Vec<ClaimedMessage>,
+    ) -> BoxFuture<'_, Result<Vec<Outcome>, Unavailable>>;
+}

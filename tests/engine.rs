@@ -1,0 +1,598 @@
+//! The embedded queue end to end: handlers, wake-up, lost notifications, retries, dead letters,
+//! panics, lease extension, graceful shutdown, two engines on one table.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{TestDb, eventually};
+use diesel::Connection;
+use postbox::engine::{Engine, EngineConfig, RunReport};
+use postbox::sink::handlers::{HandlerError, Handlers, Job};
+use postbox::{Backoff, Message};
+use tokio_util::sync::CancellationToken;
+
+type Seen = Arc<Mutex<HashMap<i64, usize>>>;
+
+fn recording(topic: &str, seen: Seen) -> Handlers {
+    Handlers::new().on(topic, move |job: Job<serde_json::Value>| {
+        let seen = seen.clone();
+        async move {
+            *seen.lock().unwrap().entry(job.id).or_default() += 1;
+            Ok(())
+        }
+    })
+}
+
+fn fast_backoff() -> Backoff {
+    Backoff {
+        base: Duration::from_millis(20),
+        cap: Duration::from_millis(200),
+        jitter: 0.0,
+    }
+}
+
+struct Running {
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<postbox::Result<RunReport>>,
+    counters: Arc<postbox::engine::Counters>,
+}
+
+impl Running {
+    async fn stop(self) -> RunReport {
+        self.shutdown.cancel();
+        self.task.await.unwrap().unwrap()
+    }
+}
+
+fn start(engine: Engine) -> Running {
+    let shutdown = CancellationToken::new();
+    let counters = engine.counters();
+    let task = tokio::spawn(engine.run(shutdown.clone()));
+    Running {
+        shutdown,
+        task,
+        counters,
+    }
+}
+
+async fn listener_registered(db: &TestDb) -> bool {
+    let url = db.url.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut c = diesel::PgConnection::establish(&url).unwrap();
+        #[derive(diesel::QueryableByName)]
+        struct N {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        use diesel::RunQueryDsl;
+        let n: N = diesel::sql_query("SELECT count(*) AS n FROM postbox.listeners")
+            .get_result(&mut c)
+            .unwrap();
+        n.n > 0
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_from_app_transactions_reach_their_handlers_exactly_once() {
+    let db = TestDb::migrated();
+    db.exec("CREATE TABLE orders (id bigint PRIMARY KEY)");
+    let seen: Seen = Default::default();
+    let engine = Engine::builder(&db.url)
+        .handlers(recording("order.created", seen.clone()))
+        .build()
+        .await
+        .unwrap();
+    let running = start(engine);
+
+    let mut conn = db.conn();
+    let mut committed = Vec::new();
+    for i in 0..300i64 {
+        let r: Result<i64, postbox::Error> = conn.transaction(|conn| {
+            use diesel::connection::SimpleConnection;
+            conn.batch_execute(&format!("INSERT INTO orders VALUES ({i})"))?;
+            let id = postbox::enqueue(conn, &Message::new("order.created").payload(&i))?
+                .id()
+                .unwrap();
+            if i % 10 == 0 {
+                return Err(postbox::Error::Database(
+                    diesel::result::Error::RollbackTransaction,
+                ));
+            }
+            Ok(id)
+        });
+        if let Ok(id) = r {
+            committed.push(id);
+        }
+    }
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            running.counters.snapshot().delivered >= 270
+        })
+        .await,
+        "delivered {:?}",
+        running.counters.snapshot()
+    );
+    let report = running.stop().await;
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 270);
+    assert!(
+        seen.values().all(|n| *n == 1),
+        "some message was handled twice"
+    );
+    for id in committed {
+        assert_eq!(seen.get(&id), Some(&1));
+    }
+    assert_eq!(
+        (report.delivered, report.retried, report.fenced),
+        (270, 0, 0)
+    );
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_committed_message_wakes_an_idle_engine_without_waiting_for_the_poll() {
+    let db = TestDb::migrated();
+    let seen: Seen = Default::default();
+    let engine = Engine::builder(&db.url)
+        .handlers(recording("t", seen.clone()))
+        .poll_interval(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
+    let running = start(engine);
+    // Idle and registered as a waiting listener.
+    assert!(eventually(Duration::from_secs(10), || listener_registered(&db)).await);
+    let t0 = Instant::now();
+    postbox::enqueue(&mut db.conn(), &Message::new("t")).unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            !seen.lock().unwrap().is_empty()
+        })
+        .await
+    );
+    let waited = t0.elapsed();
+    assert!(
+        waited < Duration::from_secs(5),
+        "took {waited:?} with a 60 s poll interval"
+    );
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_notifications_are_covered_by_polling_and_the_notifier_reconnects() {
+    let db = TestDb::migrated();
+    let seen: Seen = Default::default();
+    let engine = Engine::builder(&db.url)
+        .handlers(recording("t", seen.clone()))
+        .poll_interval(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    let running = start(engine);
+    assert!(eventually(Duration::from_secs(10), || listener_registered(&db)).await);
+    let old = db.scalar("SELECT pid::bigint AS v FROM postbox.listeners LIMIT 1");
+    // Kill the LISTEN backend, then enqueue at once: no notification can reach the engine.
+    db.exec(&format!("SELECT pg_terminate_backend({old})"));
+    let ids: Vec<i64> =
+        postbox::enqueue_many(&mut db.conn(), &[Message::new("t"), Message::new("t")])
+            .unwrap()
+            .iter()
+            .map(|e| e.id().unwrap())
+            .collect();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            let s = seen.lock().unwrap();
+            ids.iter().all(|id| s.contains_key(id))
+        })
+        .await
+    );
+    // The notifier is back: a new backend LISTENs and registers when the engine goes idle.
+    let reconnected = eventually(Duration::from_secs(10), || async {
+        let url = db.url.clone();
+        tokio::task::spawn_blocking(move || {
+            use diesel::RunQueryDsl;
+            #[derive(diesel::QueryableByName)]
+            struct N {
+                #[diesel(sql_type = diesel::sql_types::BigInt)]
+                n: i64,
+            }
+            let mut c = diesel::PgConnection::establish(&url).unwrap();
+            let n: N = diesel::sql_query(format!(
+                "SELECT count(*) AS n FROM postbox.listeners WHERE pid <> {old}"
+            ))
+            .get_result(&mut c)
+            .unwrap();
+            n.n > 0
+        })
+        .await
+        .unwrap()
+    })
+    .await;
+    assert!(reconnected, "the notifier did not come back");
+    // And it works: with a 300 ms poll this could pass by polling alone, so the check above is
+    // the one that proves the reconnection.
+    postbox::enqueue(&mut db.conn(), &Message::new("t")).unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            seen.lock().unwrap().len() == 3
+        })
+        .await
+    );
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_decisions_retry_with_delay_dead_letter_and_panics_retry_with_the_panic_text() {
+    let db = TestDb::migrated();
+    type Call = (String, i32, Option<String>, Instant);
+    let calls: Arc<Mutex<Vec<Call>>> = Default::default();
+    let c = calls.clone();
+    let handlers = Handlers::new().on("jobs", move |job: Job<String>| {
+        let c = c.clone();
+        async move {
+            c.lock().unwrap().push((
+                job.payload.clone(),
+                job.attempt,
+                job.last_error.clone(),
+                Instant::now(),
+            ));
+            match (job.payload.as_str(), job.attempt) {
+                ("delay", 1) => Err(HandlerError::retry_after(
+                    "busy",
+                    Duration::from_millis(300),
+                )),
+                ("panic", 1) => panic!("boom at attempt 1"),
+                ("dead", _) => Err(HandlerError::dead("invalid order")),
+                ("io", 1) => Err(std::io::Error::other("disk full").into()),
+                _ => Ok(()),
+            }
+        }
+    });
+    let engine = Engine::builder(&db.url)
+        .handlers(handlers)
+        .backoff(fast_backoff())
+        .build()
+        .await
+        .unwrap();
+    let running = start(engine);
+    let mut conn = db.conn();
+    let msgs = ["delay", "panic", "dead", "io"].map(|p| Message::new("jobs").payload(&p));
+    postbox::enqueue_many(&mut conn, &msgs).unwrap();
+    postbox::enqueue(&mut conn, &Message::new("jobs").payload(&42)).unwrap(); // not a String
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            let s = running.counters.snapshot();
+            s.delivered == 3 && s.dead_lettered == 2
+        })
+        .await,
+        "{:?}",
+        running.counters.snapshot()
+    );
+    let report = running.stop().await;
+    assert_eq!(report.retried, 3);
+    let calls = calls.lock().unwrap();
+    let of = |p: &str| {
+        calls
+            .iter()
+            .filter(|c| c.0 == p)
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    let delay = of("delay");
+    assert_eq!(delay.len(), 2);
+    assert_eq!(delay[1].2.as_deref(), Some("busy"));
+    assert!(
+        delay[1].3 - delay[0].3 >= Duration::from_millis(290),
+        "redelivered too early"
+    );
+    let panic = of("panic");
+    assert_eq!(panic.len(), 2);
+    assert_eq!(panic[1].2.as_deref(), Some("panicked: boom at attempt 1"));
+    assert_eq!(of("io")[1].2.as_deref(), Some("disk full"));
+    assert_eq!(of("dead").len(), 1);
+
+    let store = postbox::Store::connect(&db.url, 2).await.unwrap();
+    let dead = store.dead_list(None, 10).await.unwrap();
+    assert_eq!(dead.len(), 2);
+    assert!(
+        dead.iter()
+            .any(|d| d.reason == "invalid order" && d.attempts == 1)
+    );
+    assert!(dead.iter().any(|d| {
+        d.reason
+            .starts_with("payload does not deserialize into alloc::string::String")
+            && d.reason.contains("invalid type: integer `42`")
+    }));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_extension_keeps_a_slow_message_from_a_second_engine() {
+    let db = TestDb::migrated();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handlers = |calls: Arc<AtomicUsize>| {
+        Handlers::new().on("slow", move |_job: Job<serde_json::Value>| {
+            let calls = calls.clone();
+            async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(3500)).await;
+                Ok(())
+            }
+        })
+    };
+    let config = EngineConfig {
+        lease: Duration::from_secs(1),
+        rescue_interval: Duration::from_millis(100),
+        poll_interval: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let a = start(
+        Engine::builder(&db.url)
+            .handlers(handlers(calls.clone()))
+            .config(config.clone())
+            .build()
+            .await
+            .unwrap(),
+    );
+    postbox::enqueue(&mut db.conn(), &Message::new("slow")).unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            calls.load(Ordering::SeqCst) == 1
+        })
+        .await
+    );
+    // A second engine (with its own rescuer) runs beside it for longer than three leases.
+    let b = start(
+        Engine::builder(&db.url)
+            .handlers(handlers(calls.clone()))
+            .config(config)
+            .build()
+            .await
+            .unwrap(),
+    );
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            a.counters.snapshot().delivered == 1
+        })
+        .await
+    );
+    let (ra, rb) = (a.stop().await, b.stop().await);
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "handled twice: the lease was not extended"
+    );
+    assert_eq!((ra.fenced, rb.claimed), (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_hands_back_running_and_unstarted_messages_without_using_attempts() {
+    let db = TestDb::migrated();
+    let started = Arc::new(AtomicUsize::new(0));
+    let s = started.clone();
+    let handlers = Handlers::new().on("stuck", move |_job: Job<serde_json::Value>| {
+        let s = s.clone();
+        async move {
+            s.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>().await;
+            Ok(())
+        }
+    });
+    let engine = Engine::builder(&db.url)
+        .handlers(handlers)
+        .concurrency(2)
+        .shutdown_deadline(Duration::from_millis(300))
+        .build()
+        .await
+        .unwrap();
+    let running = start(engine);
+    postbox::enqueue_many(
+        &mut db.conn(),
+        &(0..5).map(|_| Message::new("stuck")).collect::<Vec<_>>(),
+    )
+    .unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            started.load(Ordering::SeqCst) == 2
+        })
+        .await
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE attempts = 1"),
+        2
+    );
+    let report = running.stop().await;
+    assert_eq!(report.released, 2);
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.messages WHERE attempts = 0 AND locked_until IS NULL"
+        ),
+        5,
+        "a message kept its lease or lost an attempt"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_running_handlers_finish_within_the_deadline() {
+    let db = TestDb::migrated();
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let started = Arc::new(AtomicUsize::new(0));
+    let (g, s) = (gate.clone(), started.clone());
+    let handlers = Handlers::new().on("t", move |_job: Job<serde_json::Value>| {
+        let (g, s) = (g.clone(), s.clone());
+        async move {
+            s.fetch_add(1, Ordering::SeqCst);
+            g.notified().await;
+            Ok(())
+        }
+    });
+    let engine = Engine::builder(&db.url)
+        .handlers(handlers)
+        .concurrency(1)
+        .build()
+        .await
+        .unwrap();
+    let running = start(engine);
+    postbox::enqueue_many(&mut db.conn(), &[Message::new("t"), Message::new("t")]).unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            started.load(Ordering::SeqCst) == 1
+        })
+        .await
+    );
+    running.shutdown.cancel();
+    gate.notify_one();
+    let report = running.task.await.unwrap().unwrap();
+    assert_eq!((report.delivered, report.released), (1, 0));
+    assert_eq!(
+        started.load(Ordering::SeqCst),
+        1,
+        "claimed more after shutdown"
+    );
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.messages WHERE attempts = 0 AND locked_until IS NULL"
+        ),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_engines_share_one_table_without_double_handling() {
+    let db = TestDb::migrated();
+    let seen: Seen = Default::default();
+    let mk = || async {
+        Engine::builder(&db.url)
+            .handlers(recording("shared", seen.clone()))
+            .batch_size(20)
+            .build()
+            .await
+            .unwrap()
+    };
+    let (a, b) = (start(mk().await), start(mk().await));
+    let mut conn = db.conn();
+    for chunk in 0..20 {
+        let msgs: Vec<Message> = (0..100)
+            .map(|i| Message::new("shared").payload(&(chunk * 100 + i)))
+            .collect();
+        postbox::enqueue_many(&mut conn, &msgs).unwrap();
+    }
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            seen.lock().unwrap().len() == 2000
+        })
+        .await
+    );
+    let (ra, rb) = (a.stop().await, b.stop().await);
+    assert!(
+        seen.lock().unwrap().values().all(|n| *n == 1),
+        "double handling"
+    );
+    assert_eq!(ra.delivered + rb.delivered, 2000);
+    assert!(
+        ra.delivered > 0 && rb.delivered > 0,
+        "one engine did all the work: {ra:?} {rb:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_claims_only_the_topics_it_has_handlers_for() {
+    let db = TestDb::migrated();
+    let seen: Seen = Default::default();
+    let engine = Engine::builder(&db.url)
+        .handlers(recording("mine", seen.clone()))
+        .drain(true)
+        .build()
+        .await
+        .unwrap();
+    postbox::enqueue_many(
+        &mut db.conn(),
+        &[
+            Message::new("mine"),
+            Message::new("theirs"),
+            Message::new("mine"),
+        ],
+    )
+    .unwrap();
+    let report = engine.run(CancellationToken::new()).await.unwrap();
+    assert_eq!(report.delivered, 2);
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.messages WHERE topic = 'theirs' AND attempts = 0"
+        ),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_leases_of_a_dead_relay_are_rescued_and_delivered() {
+    let db = TestDb::migrated();
+    postbox::enqueue(&mut db.conn(), &Message::new("t")).unwrap();
+    // A relay claims and dies.
+    let store = postbox::Store::connect(&db.url, 2).await.unwrap();
+    let claimed = store
+        .claim(1, Duration::from_secs(1), &postbox::Topics::all())
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 1);
+    let seen: Seen = Default::default();
+    let config = EngineConfig {
+        rescue_interval: Duration::from_millis(200),
+        poll_interval: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let running = start(
+        Engine::builder(&db.url)
+            .handlers(recording("t", seen.clone()))
+            .config(config)
+            .backoff(fast_backoff())
+            .build()
+            .await
+            .unwrap(),
+    );
+    assert!(
+        eventually(Duration::from_secs(15), || async {
+            seen.lock().unwrap().len() == 1
+        })
+        .await
+    );
+    running.stop().await;
+    // The dead relay's late acknowledgement is fenced.
+    assert_eq!(
+        store.complete(&[claimed[0].lease()]).await.unwrap().fenced,
+        vec![claimed[0].id]
+    );
+}
+
+#[tokio::test]
+async fn builder_errors_name_the_field() {
+    let e = Engine::builder("postgres://unused")
+        .build()
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.starts_with("sink:"), "{e}");
+    let e = Engine::builder("postgres://unused")
+        .handlers(Handlers::new().on("t", |_: Job<()>| async { Ok(()) }))
+        .concurrency(0)
+        .build()
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.starts_with("concurrency:"), "{e}");
+    let e = Engine::builder("postgres://unused")
+        .handlers(Handlers::new())
+        .build()
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("serves no topics"), "{e}");
+}
