@@ -276,7 +276,7 @@ async fn handler_decisions_retry_with_delay_dead_letter_and_panics_retry_with_th
     );
     let report = running.stop().await;
     assert_eq!(report.retried, 3);
-    let calls = calls.lock().unwrap();
+    let calls = calls.lock().unwrap().clone();
     let of = |p: &str| {
         calls
             .iter()
