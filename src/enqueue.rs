@@ -9,10 +9,10 @@ use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
 use diesel::PgConnection;
-use diesel::{ExpressionMethods, Insertable, QueryDsl};
+use diesel::{ExpressionMethods, QueryDsl};
 
 use crate::error::Result;
-use crate::message::{Message, MessageId};
+use crate::message::{DEFAULT_MAX_ATTEMPTS, Message, MessageId};
 use crate::schema::postbox::messages;
 
 /// Rows per INSERT statement: 11 bind parameters a row stays under PostgreSQL's 65,535.
@@ -38,8 +38,7 @@ impl Enqueued {
     }
 }
 
-#[derive(Insertable)]
-#[diesel(table_name = messages)]
+/// One message, validated, as bound into the INSERT.
 struct NewMessage<'a> {
     topic: &'a str,
     key: Option<&'a str>,
@@ -48,11 +47,22 @@ struct NewMessage<'a> {
     headers: serde_json::Value,
     priority: i16,
     run_at: Option<DateTime<Utc>>,
-    max_attempts: Option<i32>,
+    max_attempts: i32,
     dedup_key: Option<&'a str>,
 }
 
 type Returned = (MessageId, String, Option<String>);
+
+diesel::define_sql_function! {
+    /// `coalesce` for the optional run_at: the database clock when the message names no time.
+    fn coalesce(x: diesel::sql_types::Nullable<diesel::sql_types::Timestamptz>, y: diesel::sql_types::Timestamptz) -> diesel::sql_types::Timestamptz;
+}
+
+diesel::define_sql_function! {
+    /// `now()` as timestamptz.
+    #[sql_name = "now"]
+    fn db_now() -> diesel::sql_types::Timestamptz;
+}
 
 fn rows(msgs: &[Message]) -> Result<Vec<NewMessage<'_>>> {
     let now = Utc::now();
@@ -77,20 +87,51 @@ fn rows(msgs: &[Message]) -> Result<Vec<NewMessage<'_>>> {
                 headers: serde_json::to_value(headers).expect("string map is JSON"),
                 priority: m.priority,
                 run_at,
-                max_attempts: m.max_attempts,
+                max_attempts: m.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS),
                 dedup_key: m.dedup_key.as_deref(),
             })
         })
         .collect()
 }
 
-macro_rules! insert_query {
-    ($rows:expr) => {
-        diesel::insert_into(messages::table)
-            .values($rows)
-            .on_conflict_do_nothing()
-            .returning((messages::id, messages::topic, messages::dedup_key))
+/// Every column is a bind parameter (no `DEFAULT`), so a one-message insert is one prepared
+/// statement that the connection caches; `run_at` falls back to the database clock.
+macro_rules! row_values {
+    ($r:expr) => {
+        (
+            messages::topic.eq($r.topic),
+            messages::key.eq($r.key),
+            messages::ordered.eq($r.ordered),
+            messages::payload.eq($r.payload),
+            messages::headers.eq(&$r.headers),
+            messages::priority.eq($r.priority),
+            messages::run_at.eq(coalesce($r.run_at, db_now())),
+            messages::max_attempts.eq($r.max_attempts),
+            messages::dedup_key.eq($r.dedup_key),
+        )
     };
+}
+
+/// Runs the insert of `chunk` in its cheapest form: one row or many, and `ON CONFLICT DO NOTHING`
+/// only when some message has a dedup key (it costs a speculative insertion).
+macro_rules! insert_chunk {
+    ($chunk:expr, $conn:expr, $($await:tt)*) => {{
+        let returning = (messages::id, messages::topic, messages::dedup_key);
+        let dedup = $chunk.iter().any(|r| r.dedup_key.is_some());
+        let inserted: Vec<Returned> = match ($chunk, dedup) {
+            ([one], false) => diesel::insert_into(messages::table).values(row_values!(one)).returning(returning).get_results($conn)$($await)*?,
+            ([one], true) => diesel::insert_into(messages::table).values(row_values!(one)).on_conflict_do_nothing().returning(returning).get_results($conn)$($await)*?,
+            (many, false) => {
+                let values: Vec<_> = many.iter().map(|r| row_values!(r)).collect();
+                diesel::insert_into(messages::table).values(values).returning(returning).get_results($conn)$($await)*?
+            }
+            (many, true) => {
+                let values: Vec<_> = many.iter().map(|r| row_values!(r)).collect();
+                diesel::insert_into(messages::table).values(values).on_conflict_do_nothing().returning(returning).get_results($conn)$($await)*?
+            }
+        };
+        inserted
+    }};
 }
 
 macro_rules! duplicates_query {
@@ -169,7 +210,7 @@ pub fn enqueue_many(conn: &mut PgConnection, msgs: &[Message]) -> Result<Vec<Enq
     let rows = rows(msgs)?;
     let mut out = Vec::with_capacity(rows.len());
     for chunk in rows.chunks(ROWS_PER_STATEMENT) {
-        let inserted: Vec<Returned> = insert_query!(chunk).get_results(conn)?;
+        let inserted = insert_chunk!(chunk, conn,);
         let ids = match_inserted(chunk, inserted);
         let keys = duplicate_keys(chunk, &ids);
         let existing = if keys.is_empty() {
@@ -203,7 +244,7 @@ pub async fn enqueue_many_async(
     let rows = rows(msgs)?;
     let mut out = Vec::with_capacity(rows.len());
     for chunk in rows.chunks(ROWS_PER_STATEMENT) {
-        let inserted: Vec<Returned> = insert_query!(chunk).get_results(conn).await?;
+        let inserted = insert_chunk!(chunk, conn, .await);
         let ids = match_inserted(chunk, inserted);
         let keys = duplicate_keys(chunk, &ids);
         let existing = if keys.is_empty() {

@@ -371,7 +371,7 @@ async fn lease_extension_keeps_a_slow_message_from_a_second_engine() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn graceful_shutdown_hands_back_running_and_unstarted_messages_without_using_attempts() {
+async fn graceful_shutdown_hands_back_running_messages_without_using_attempts() {
     let db = TestDb::migrated();
     let started = Arc::new(AtomicUsize::new(0));
     let s = started.clone();

@@ -225,6 +225,35 @@ impl Instrumentation for Counter {
 }
 
 #[test]
+fn a_single_enqueue_is_a_cached_prepared_statement() {
+    struct Cached(Arc<AtomicUsize>, Arc<AtomicUsize>);
+    impl Instrumentation for Cached {
+        fn on_connection_event(&mut self, event: InstrumentationEvent<'_>) {
+            match event {
+                InstrumentationEvent::CacheQuery { .. } => {
+                    self.0.fetch_add(1, Ordering::SeqCst);
+                }
+                InstrumentationEvent::StartQuery { .. } => {
+                    self.1.fetch_add(1, Ordering::SeqCst);
+                }
+                _ => {}
+            }
+        }
+    }
+    let db = TestDb::migrated();
+    let mut conn = db.conn();
+    let (cached, started) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    conn.set_instrumentation(Cached(cached.clone(), started.clone()));
+    for i in 0..5 {
+        let m = Message::new("t").payload(&i);
+        let m = if i % 2 == 0 { m.delay(Duration::from_secs(1)) } else { m.key("k") };
+        postbox::enqueue(&mut conn, &m).unwrap();
+    }
+    assert_eq!(started.load(Ordering::SeqCst), 5);
+    assert_eq!(cached.load(Ordering::SeqCst), 1, "each enqueue was prepared anew");
+}
+
+#[test]
 fn enqueue_many_of_1000_is_one_round_trip() {
     let db = TestDb::migrated();
     let mut conn = db.conn();

@@ -6,6 +6,9 @@ use crate::error::{Error, Result};
 
 /// Messages claimed per claim statement.
 pub const DEFAULT_BATCH_SIZE: usize = 100;
+/// Claim loops per engine. The claim statement is the heaviest work of a queue; two loops keep
+/// two database cores busy (SKIP LOCKED keeps them from waiting on each other).
+pub const DEFAULT_CLAIMERS: usize = 2;
 /// Deliveries (handler calls, or sink chunks) running at once.
 pub const DEFAULT_CONCURRENCY: usize = 100;
 /// How long a claim holds a message before another relay may take it; extended automatically
@@ -13,9 +16,12 @@ pub const DEFAULT_CONCURRENCY: usize = 100;
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// Fallback poll while waiting for a notification: finds everything even if none ever arrives.
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(5);
-/// After finding work, keep polling this long (every [`LINGER_STEP`]) before going back to
-/// waiting for a notification; see [`EngineConfig::idle_linger`].
+/// Under a fast flow, keep polling this long (every [`LINGER_STEP`]) after the last work found
+/// before going back to waiting for a notification; see [`EngineConfig::idle_linger`].
 pub const DEFAULT_IDLE_LINGER: Duration = Duration::from_millis(50);
+/// Claim rate (messages/s, over the last ~100 ms) from which the engine lingers instead of
+/// waiting for NOTIFY; see [`EngineConfig::linger_above`].
+pub const DEFAULT_LINGER_ABOVE: f64 = 1000.0;
 /// Pause between claims while lingering.
 pub const LINGER_STEP: Duration = Duration::from_millis(1);
 /// How long shutdown waits for running deliveries before handing them back.
@@ -34,15 +40,21 @@ pub struct EngineConfig {
     pub batch_size: usize,
     /// Deliveries running at once (for the handlers sink: handler calls at once).
     pub concurrency: usize,
+    /// Claim loops running at once, sharing the concurrency limit.
+    pub claimers: usize,
     /// Lease per claim; heartbeats extend it while a delivery runs.
     pub lease: Duration,
     /// Fallback poll interval while waiting for a notification.
     pub poll_interval: Duration,
-    /// After a claim found work, an empty claim does not put the engine to sleep at once: it polls
-    /// every millisecond for this long. Under a steady flow the engine thus never registers as a
-    /// listener, so writers never pay for NOTIFY; a quiet queue is woken by NOTIFY as usual.
-    /// Zero disables lingering.
+    /// How the engine waits for new work depends on how fast it arrives. Below `linger_above`
+    /// messages a second it registers as a waiting listener and is woken by NOTIFY (about 1 ms
+    /// from commit to handler here). At or above that rate, a notifying commit would cost every
+    /// writer (notifying commits are serialised), so the engine does not register: it polls every
+    /// millisecond until no work has come for `idle_linger`, then registers again. Writers thus
+    /// never NOTIFY under load. Zero disables lingering (always NOTIFY).
     pub idle_linger: Duration,
+    /// The claim rate (messages/s) from which the engine lingers; see `idle_linger`.
+    pub linger_above: f64,
     /// Shutdown waits this long for running deliveries, then hands the rest back.
     pub shutdown_deadline: Duration,
     /// Rescue interval for expired leases.
@@ -60,9 +72,11 @@ impl Default for EngineConfig {
         EngineConfig {
             batch_size: DEFAULT_BATCH_SIZE,
             concurrency: DEFAULT_CONCURRENCY,
+            claimers: DEFAULT_CLAIMERS,
             lease: DEFAULT_LEASE,
             poll_interval: DEFAULT_POLL_INTERVAL,
             idle_linger: DEFAULT_IDLE_LINGER,
+            linger_above: DEFAULT_LINGER_ABOVE,
             shutdown_deadline: DEFAULT_SHUTDOWN_DEADLINE,
             rescue_interval: DEFAULT_RESCUE_INTERVAL,
             completer_batch: DEFAULT_COMPLETER_BATCH,
@@ -94,6 +108,12 @@ impl EngineConfig {
                 format!("must be between 1 and 100000, got {}", self.concurrency),
             ));
         }
+        if self.claimers == 0 || self.claimers > 16 {
+            return Err(invalid(
+                "claimers",
+                format!("must be between 1 and 16, got {}", self.claimers),
+            ));
+        }
         if self.lease < Duration::from_secs(1) {
             return Err(invalid(
                 "lease",
@@ -108,6 +128,12 @@ impl EngineConfig {
         }
         if self.idle_linger > self.poll_interval {
             return Err(invalid("idle_linger", "must not exceed poll_interval"));
+        }
+        if self.linger_above.is_nan() || self.linger_above < 0.0 {
+            return Err(invalid(
+                "linger_above",
+                "must be a rate of zero or more messages per second",
+            ));
         }
         if self.rescue_interval.is_zero() {
             return Err(invalid("rescue_interval", "must be greater than zero"));

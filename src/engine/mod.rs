@@ -169,6 +169,14 @@ impl EngineBuilder {
     }
 }
 
+/// Aborts a claim loop's deliveries if the task waiting for them is aborted.
+struct AbortOnDrop<'a>(&'a mut tokio::task::JoinSet<()>);
+impl Drop for AbortOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.abort_all();
+    }
+}
+
 /// A configured engine; [`Engine::run`] drives it.
 pub struct Engine {
     store: Store,
@@ -264,7 +272,7 @@ impl Engine {
             Rescuer::new(self.store.clone(), self.config.rescue_interval).run(background.clone()),
         );
 
-        let producer = Producer {
+        let producer = Arc::new(Producer {
             store: self.store.clone(),
             sink: self.sink.clone(),
             topics: self.sink.topics(),
@@ -277,13 +285,24 @@ impl Engine {
             wake,
             notifier,
             shutdown: shutdown.clone(),
-        };
-        let (mut running, unstarted) = producer.run().await;
-
-        // Shutdown. What was claimed but not started goes back at once.
-        if !unstarted.is_empty() {
-            self.release(&unstarted, &*observer).await;
+            permits: Arc::new(tokio::sync::Semaphore::new(self.config.concurrency)),
+            rate: producer::ClaimRate::new(),
+        });
+        let loops: Vec<_> = (0..self.config.claimers)
+            .map(|_| tokio::spawn(producer.clone().run()))
+            .collect();
+        let mut running = tokio::task::JoinSet::new();
+        for l in loops {
+            let mut tasks = l.await.expect("claim loop panicked");
+            // Keep the deliveries of every loop in one set (aborting it aborts them all).
+            running.spawn(async move {
+                let _guard = AbortOnDrop(&mut tasks);
+                while _guard.0.join_next().await.is_some() {}
+            });
         }
+        drop(producer);
+
+        // Shutdown: no more claims. Running deliveries get until the deadline.
         let finished = tokio::select! {
             _ = async { while running.join_next().await.is_some() {} } => true,
             _ = tokio::time::sleep(self.config.shutdown_deadline) => false,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use futures_util::StreamExt;
 use tokio::sync::{Notify, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -179,7 +179,7 @@ async fn run(
 }
 
 async fn connect(url: &str) -> crate::Result<AsyncPgConnection> {
-    let mut conn = AsyncPgConnection::establish(url).await?;
+    let mut conn = store::connect::establish(url).await?;
     // A backend that died while registered left its row; register_listener also cleans those.
     store::unregister_listener(&mut conn).await?;
     store::listen(&mut conn).await?;

@@ -33,12 +33,6 @@ impl InFlight {
     fn remove(&self, id: i64) {
         self.leases.lock().expect("in-flight lock").remove(&id);
     }
-    fn forget(&self, leases: &[Lease]) {
-        let mut m = self.leases.lock().expect("in-flight lock");
-        for l in leases {
-            m.remove(&l.id);
-        }
-    }
     pub(crate) fn leases(&self) -> Vec<Lease> {
         self.leases
             .lock()
@@ -97,6 +91,40 @@ impl SinkHealth {
     }
 }
 
+/// Messages claimed per second, engine-wide, as an exponentially weighted count over ~100 ms.
+pub(crate) struct ClaimRate {
+    state: Mutex<(f64, Instant)>,
+}
+
+impl ClaimRate {
+    const TAU: f64 = 0.1;
+
+    pub(crate) fn new() -> Self {
+        ClaimRate {
+            state: Mutex::new((0.0, Instant::now())),
+        }
+    }
+
+    fn decayed(state: &mut (f64, Instant)) {
+        let now = Instant::now();
+        let dt = now.duration_since(state.1).as_secs_f64();
+        state.0 *= (-dt / Self::TAU).exp();
+        state.1 = now;
+    }
+
+    fn add(&self, n: usize) {
+        let mut s = self.state.lock().expect("rate lock");
+        Self::decayed(&mut s);
+        s.0 += n as f64;
+    }
+
+    fn per_second(&self) -> f64 {
+        let mut s = self.state.lock().expect("rate lock");
+        Self::decayed(&mut s);
+        s.0 / Self::TAU
+    }
+}
+
 /// Everything the producer works with.
 pub(crate) struct Producer {
     pub store: Store,
@@ -112,21 +140,28 @@ pub(crate) struct Producer {
     pub wake: Arc<Notify>,
     pub notifier: Option<Notifier>,
     pub shutdown: CancellationToken,
+    /// Shared by every claim loop of the engine: the concurrency limit.
+    pub permits: Arc<Semaphore>,
+    /// Shared by every claim loop: how fast work arrives.
+    pub rate: ClaimRate,
 }
 
 impl Producer {
     /// Claims and dispatches until shutdown (or, in drain mode, until nothing is left). Returns
-    /// the running deliveries and the leases it claimed but could not start.
-    pub(crate) async fn run(self) -> (JoinSet<()>, Vec<Lease>) {
+    /// the running deliveries. Every claimed message is started at once: permits are reserved
+    /// before the claim.
+    pub(crate) async fn run(self: Arc<Self>) -> JoinSet<()> {
         let chunk = self.sink.max_batch().max(1);
-        let permits = Arc::new(Semaphore::new(self.config.concurrency));
+        let permits = self.permits.clone();
         let mut tasks = JoinSet::new();
         let mut linger_until: Option<Instant> = None;
+        let mut rechecked = false;
+        let mut armed = false;
         let mut db_pause = Duration::from_millis(100);
         loop {
             while tasks.try_join_next().is_some() {}
             if self.shutdown.is_cancelled() {
-                return (tasks, Vec::new());
+                return tasks;
             }
             if let Some(until) = self.health.paused_until() {
                 tokio::select! {
@@ -135,7 +170,7 @@ impl Producer {
                 }
                 continue;
             }
-            // Wait for room.
+            // Reserve room before claiming, so claim loops never claim more than the limit.
             if permits.available_permits() == 0 {
                 tokio::select! {
                     p = permits.acquire() => drop(p),
@@ -143,7 +178,14 @@ impl Producer {
                 }
                 continue;
             }
-            let want = (permits.available_permits() * chunk).min(self.config.batch_size);
+            let chunks = permits
+                .available_permits()
+                .min(self.config.batch_size.div_ceil(chunk));
+            let Ok(mut reserved) = permits.clone().try_acquire_many_owned(chunks as u32) else {
+                tokio::task::yield_now().await; // another claim loop took them first
+                continue;
+            };
+            let want = (chunks * chunk).min(self.config.batch_size);
             let batch = match self
                 .store
                 .claim(want, self.config.lease, &self.topics)
@@ -154,6 +196,7 @@ impl Producer {
                     b
                 }
                 Err(e) => {
+                    drop(reserved);
                     tracing::warn!(error = %e, retry_in = ?db_pause, "claim failed");
                     tokio::select! {
                         _ = tokio::time::sleep(db_pause) => {}
@@ -165,19 +208,31 @@ impl Producer {
             };
             let got = batch.len();
             self.observer.claimed(got);
+            self.rate.add(got);
             if got > 0 {
-                let unstarted = self.dispatch(batch, chunk, &permits, &mut tasks).await;
-                if !unstarted.is_empty() {
-                    return (tasks, unstarted);
+                self.dispatch(batch, chunk, &mut reserved, &mut tasks);
+                rechecked = false;
+                if std::mem::take(&mut armed) {
+                    if let Some(n) = &self.notifier {
+                        n.disarm();
+                    }
                 }
+            }
+            drop(reserved);
+            if got > 0 {
                 if got == want {
-                    continue; // there may be more right now
+                    // There may be more right now: bring any sleeping claim loop in too.
+                    self.wake.notify_waiters();
+                    continue;
                 }
-                linger_until = Some(Instant::now() + self.config.idle_linger);
+                // A fast flow: poll rather than make writers NOTIFY.
+                if self.rate.per_second() >= self.config.linger_above {
+                    linger_until = Some(Instant::now() + self.config.idle_linger);
+                }
             }
             if self.config.drain {
                 if self.drained(&mut tasks).await {
-                    return (tasks, Vec::new());
+                    return tasks;
                 }
                 continue;
             }
@@ -191,28 +246,15 @@ impl Producer {
             }
             if let Some(n) = &self.notifier {
                 if n.arm().await {
-                    // Registered: look once more, so nothing committed before the registration
-                    // is left waiting for the next poll.
-                    match self
-                        .store
-                        .claim(want, self.config.lease, &self.topics)
-                        .await
-                    {
-                        Ok(b) if !b.is_empty() => {
-                            n.disarm();
-                            self.observer.claimed(b.len());
-                            let unstarted = self.dispatch(b, chunk, &permits, &mut tasks).await;
-                            if !unstarted.is_empty() {
-                                return (tasks, unstarted);
-                            }
-                            linger_until = Some(Instant::now() + self.config.idle_linger);
-                            continue;
-                        }
-                        Ok(_) => {}
-                        Err(e) => tracing::warn!(error = %e, "claim failed"),
+                    armed = true;
+                    // Registered: look once more (the next turn of the loop, without lingering),
+                    // so nothing committed before the registration waits for the next poll.
+                    if !std::mem::replace(&mut rechecked, true) {
+                        continue;
                     }
                 }
             }
+            rechecked = false;
             tokio::select! {
                 _ = self.wake.notified() => {}
                 _ = tokio::time::sleep(self.config.poll_interval) => {}
@@ -242,27 +284,20 @@ impl Producer {
         true
     }
 
-    /// Starts deliveries chunk by chunk as permits allow; on shutdown, returns the leases it did
-    /// not start.
-    async fn dispatch(
+    /// Starts one delivery per chunk, each holding one of the reserved permits.
+    fn dispatch(
         &self,
         batch: Vec<ClaimedMessage>,
         chunk: usize,
-        permits: &Arc<Semaphore>,
+        reserved: &mut OwnedSemaphorePermit,
         tasks: &mut JoinSet<()>,
-    ) -> Vec<Lease> {
+    ) {
         self.inflight.add(&batch);
         let mut rest = batch.into_iter().peekable();
         while rest.peek().is_some() {
-            let permit = tokio::select! {
-                biased;
-                p = permits.clone().acquire_owned() => p.expect("semaphore is never closed"),
-                _ = self.shutdown.cancelled() => {
-                    let unstarted: Vec<Lease> = rest.map(|m| m.lease()).collect();
-                    self.inflight.forget(&unstarted);
-                    return unstarted;
-                }
-            };
+            let permit = reserved
+                .split(1)
+                .expect("a permit was reserved for every chunk");
             let part: Vec<ClaimedMessage> = rest.by_ref().take(chunk).collect();
             tasks.spawn(deliver(
                 self.sink.clone(),
@@ -275,7 +310,6 @@ impl Producer {
                 self.unwritten.clone(),
             ));
         }
-        Vec::new()
     }
 }
 

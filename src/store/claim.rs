@@ -214,34 +214,38 @@ impl From<JsonHeaders> for BTreeMap<String, String> {
     }
 }
 
-/// One statement: pick up to `$4` claimable rows in (priority, id) order, skipping rows other
-/// claimers hold, and lease them. An ordered message is claimable only when no earlier ordered
-/// message of its (topic, key) is still in the table (pending or running).
+/// The claim is the function `postbox.claim` of the migration (one statement; the function exists
+/// for the planner settings it pins, see the migration).
 const CLAIM: &str = r#"
-WITH picked AS (
-    SELECT m.id
-    FROM postbox.messages m
-    WHERE m.locked_until IS NULL
-      AND m.run_at <= now()
-      AND ($1 OR m.topic = ANY($2) OR m.topic LIKE ANY($3))
-      AND (NOT m.ordered OR NOT EXISTS (
-            SELECT 1 FROM postbox.messages e
-            WHERE e.ordered AND e.topic = m.topic AND e.key = m.key AND e.id < m.id))
-    ORDER BY m.priority, m.id
-    LIMIT $4
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE postbox.messages m
-SET attempts = m.attempts + 1,
-    locked_until = now() + make_interval(secs => $5),
-    lease_token = $6,
-    locked_by = $7
-FROM picked
-WHERE m.id = picked.id
-RETURNING m.id, m.topic, m.key, m.ordered, m.payload, m.headers, m.priority, m.run_at,
-          m.attempts, m.max_attempts, m.created_at, m.locked_until, m.lease_token,
-          m.last_error, m.dedup_key
+SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
+       created_at, locked_until, lease_token, last_error, dedup_key
+FROM postbox.claim($1, $2, $3, $4, $5, $6, $7)
 "#;
+
+/// The statement inside `postbox.claim`, as deployed, with its parameters as `$n` binds.
+const CLAIM_BODY: &str = "SELECT prosrc AS body FROM pg_proc WHERE oid = 'postbox.claim(integer, double precision, boolean, text[], text[], bigint, text)'::regprocedure";
+
+/// Parameters of `postbox.claim`, in order.
+const CLAIM_PARAMS: [&str; 7] = [
+    "p_batch",
+    "p_lease_secs",
+    "p_all_topics",
+    "p_topics",
+    "p_patterns",
+    "p_token",
+    "p_owner",
+];
+
+/// Extracts the statement after `RETURN QUERY` and numbers its parameters.
+fn claim_statement(body: &str) -> Option<String> {
+    let start = body.find("RETURN QUERY")? + "RETURN QUERY".len();
+    let stmt = body[start..].split(';').next()?;
+    let mut out = stmt.to_owned();
+    for (i, p) in CLAIM_PARAMS.iter().enumerate() {
+        out = out.replace(p, &format!("${}", i + 1));
+    }
+    Some(out)
+}
 
 impl Store {
     /// Leases up to `batch` claimable messages of `topics` for `lease`, in (priority, id) order.
@@ -263,11 +267,11 @@ impl Store {
         }
         let mut conn = self.conn().await?;
         let mut rows: Vec<ClaimedMessage> = diesel::sql_query(CLAIM)
+            .bind::<Integer, _>(i32::try_from(batch).unwrap_or(i32::MAX))
+            .bind::<Double, _>(lease.as_secs_f64())
             .bind::<Bool, _>(topics.all)
             .bind::<Array<Text>, _>(&topics.exact)
             .bind::<Array<Text>, _>(&topics.like)
-            .bind::<BigInt, _>(i64::try_from(batch).unwrap_or(i64::MAX))
-            .bind::<Double, _>(lease.as_secs_f64())
             .bind::<BigInt, _>(fastrand::i64(..))
             .bind::<Text, _>(&*self.owner)
             .load(&mut conn)
@@ -276,27 +280,39 @@ impl Store {
         Ok(rows)
     }
 
-    /// `EXPLAIN (ANALYZE, BUFFERS)` of the claim statement, run in a transaction that is rolled
-    /// back (nothing is claimed). For operators and for the test that keeps the plan honest.
+    /// `EXPLAIN (ANALYZE, BUFFERS)` of the statement inside `postbox.claim`, as deployed and with
+    /// the function's planner settings, run in a transaction that is rolled back (nothing is
+    /// claimed). For operators, and for the test that keeps the plan honest.
     pub async fn explain_claim(&self, batch: usize, topics: &Topics) -> Result<String> {
         use diesel_async::AsyncConnection;
 
+        #[derive(QueryableByName)]
+        struct Body {
+            #[diesel(sql_type = Text)]
+            body: String,
+        }
         #[derive(QueryableByName)]
         struct Line {
             #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
             line: String,
         }
         let mut conn = self.conn().await?;
-        let sql = format!("EXPLAIN (ANALYZE, BUFFERS) {CLAIM}");
+        let body: Body = diesel::sql_query(CLAIM_BODY).get_result(&mut conn).await?;
+        let statement = claim_statement(&body.body)
+            .ok_or_else(|| Error::Migration("postbox.claim has no RETURN QUERY".into()))?;
+        let sql = format!("EXPLAIN (ANALYZE, BUFFERS) {statement}");
         let mut plan = String::new();
         let r = conn
             .transaction(async |conn| {
+                use diesel_async::SimpleAsyncConnection;
+                conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off")
+                    .await?;
                 let lines: Vec<Line> = diesel::sql_query(&sql)
+                    .bind::<Integer, _>(i32::try_from(batch).unwrap_or(i32::MAX))
+                    .bind::<Double, _>(30.0)
                     .bind::<Bool, _>(topics.all)
                     .bind::<Array<Text>, _>(&topics.exact)
                     .bind::<Array<Text>, _>(&topics.like)
-                    .bind::<BigInt, _>(i64::try_from(batch).unwrap_or(i64::MAX))
-                    .bind::<Double, _>(30.0)
                     .bind::<BigInt, _>(0)
                     .bind::<Text, _>("explain")
                     .load(conn)

@@ -9,6 +9,8 @@ pub mod migrate;
 #[cfg(feature = "async")]
 mod claim;
 #[cfg(feature = "async")]
+pub mod connect;
+#[cfg(feature = "async")]
 mod dead;
 #[cfg(feature = "async")]
 mod listen;
@@ -84,11 +86,22 @@ mod pool {
             }
         }
 
-        /// Opens a pool of at most `max_size` connections to `database_url`.
+        /// Opens a pool of at most `max_size` connections to `database_url`, with the session
+        /// settings of [`super::connect::establish`]. Connections are not pinged on checkout (a
+        /// broken one fails its query, is discarded, and the operation is retried by its caller).
         pub async fn connect(database_url: &str, max_size: u32) -> Result<Self> {
-            let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(database_url);
+            use diesel_async::pooled_connection::{ManagerConfig, RecyclingMethod};
+            use futures_util::FutureExt;
+            let mut config = ManagerConfig::<AsyncPgConnection>::default();
+            config.recycling_method = RecyclingMethod::Fast;
+            config.custom_setup = Box::new(|url| super::connect::establish(url).boxed());
+            let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(
+                database_url,
+                config,
+            );
             let pool = bb8::Pool::builder()
                 .max_size(max_size)
+                .test_on_check_out(false)
                 .build(manager)
                 .await
                 .map_err(|e| Error::Pool(e.to_string()))?;

@@ -1,0 +1,398 @@
+//! Throughput and latency of postbox on this machine, with the raw-SQL baselines measured in the
+//! same run.
+//!
+//! cargo run --release --example bench -- --messages N [--database-url URL]
+//!
+//! 1. enqueue N no-op messages with `enqueue_many` (1,000 a call);
+//! 2. drain them with the embedded engine; then the same N with a raw-SQL loop doing the same
+//!    claim (UPDATE ... SKIP LOCKED, batch 100) and delete — the baseline;
+//! 3. wake-up latency, commit → handler start, at 500 messages/s for 5 s (and at 20/s, where the
+//!    engine is idle between messages and is woken by NOTIFY);
+//! 4. 8 writers for 10 s, each transaction one business row plus one message (with an engine
+//!    draining them), against the same transactions without the message.
+//!
+//! The last lines are machine-readable, one figure a line.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use diesel::connection::SimpleConnection;
+use diesel::{Connection, PgConnection};
+use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use postbox::Message;
+use postbox::engine::{Engine, EngineConfig};
+use postbox::sink::handlers::{Handlers, Job};
+use tokio_util::sync::CancellationToken;
+
+struct Args {
+    messages: usize,
+    url: String,
+    /// Which parts to run: all by default; `--only drain|wakeup|tx` for one.
+    only: Option<String>,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        messages: 100_000,
+        url: "postgres://postgres@localhost/postbox_bench".into(),
+        only: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--messages" => {
+                a.messages = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--messages N")
+            }
+            "--database-url" => a.url = it.next().expect("--database-url URL"),
+            "--only" => a.only = it.next(),
+            other => panic!(
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL]"
+            ),
+        }
+    }
+    a
+}
+
+fn ensure_database(url: &str) {
+    if PgConnection::establish(url).is_ok() {
+        return;
+    }
+    let (server, name) = url.rsplit_once('/').expect("URL with a database name");
+    let mut admin =
+        PgConnection::establish(&format!("{server}/postgres")).expect("server reachable");
+    admin
+        .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+        .expect("create database");
+}
+
+fn reset(url: &str) {
+    let mut c = PgConnection::establish(url).unwrap();
+    c.batch_execute(
+        "TRUNCATE postbox.messages, postbox.dead_letters, postbox.listeners;
+         DROP TABLE IF EXISTS bench_orders;
+         CREATE TABLE bench_orders (id bigserial PRIMARY KEY, customer int NOT NULL, total_cents bigint NOT NULL,
+                                    created_at timestamptz NOT NULL DEFAULT now());",
+    )
+    .unwrap();
+    c.batch_execute("VACUUM ANALYZE postbox.messages").unwrap();
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+async fn enqueue_noop(url: &str, n: usize) -> f64 {
+    let mut conn = AsyncPgConnection::establish(url).await.unwrap();
+    let t = Instant::now();
+    let mut left = n;
+    while left > 0 {
+        let k = left.min(1000);
+        let msgs: Vec<Message> = (0..k).map(|_| Message::new("bench.noop")).collect();
+        postbox::enqueue_many_async(&mut conn, &msgs).await.unwrap();
+        left -= k;
+    }
+    let rate = n as f64 / t.elapsed().as_secs_f64();
+    // Both drains start from fresh statistics, as autovacuum would leave them.
+    conn.batch_execute("ANALYZE postbox.messages")
+        .await
+        .unwrap();
+    rate
+}
+
+async fn drain_engine(url: &str, n: usize) -> f64 {
+    let handlers = Handlers::new().on("bench.noop", |_: Job<serde_json::Value>| async { Ok(()) });
+    let engine = Engine::builder(url)
+        .handlers(handlers)
+        .config(EngineConfig {
+            batch_size: 1000,
+            concurrency: 2000,
+            drain: true,
+            ..Default::default()
+        })
+        .build()
+        .await
+        .unwrap();
+    let t = Instant::now();
+    let report = engine.run(CancellationToken::new()).await.unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    assert_eq!(report.delivered as usize, n, "{report:?}");
+    n as f64 / secs
+}
+
+/// The baseline: the same claim and delete as plain SQL in a loop, batch 100, one connection.
+fn drain_raw_sql(url: &str, n: usize) -> f64 {
+    use diesel::RunQueryDsl;
+    #[derive(diesel::QueryableByName)]
+    struct Id {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        id: i64,
+    }
+    let mut c = PgConnection::establish(url).unwrap();
+    let t = Instant::now();
+    let mut done = 0;
+    loop {
+        let ids: Vec<Id> = diesel::sql_query(
+            "UPDATE postbox.messages m SET attempts = attempts + 1, locked_until = now() + interval '30 seconds',
+                    lease_token = 1
+             FROM (SELECT id FROM postbox.messages WHERE locked_until IS NULL AND run_at <= now()
+                   ORDER BY priority, id LIMIT 100 FOR UPDATE SKIP LOCKED) p
+             WHERE m.id = p.id RETURNING m.id",
+        )
+        .load(&mut c)
+        .unwrap();
+        if ids.is_empty() {
+            break;
+        }
+        let ids: Vec<i64> = ids.into_iter().map(|i| i.id).collect();
+        diesel::sql_query("DELETE FROM postbox.messages WHERE id = ANY($1)")
+            .bind::<diesel::sql_types::Array<diesel::sql_types::BigInt>, _>(&ids)
+            .execute(&mut c)
+            .unwrap();
+        done += ids.len();
+    }
+    assert_eq!(done, n);
+    n as f64 / t.elapsed().as_secs_f64()
+}
+
+/// Commit → handler start, in ms, for `rate` messages a second over `secs` seconds.
+async fn wakeup(url: &str, rate: u64, secs: u64) -> Vec<f64> {
+    let started: Arc<Mutex<HashMap<i64, Instant>>> = Default::default();
+    let s = started.clone();
+    let handlers = Handlers::new().on("bench.wake", move |job: Job<serde_json::Value>| {
+        let s = s.clone();
+        async move {
+            s.lock().unwrap().insert(job.id, Instant::now());
+            Ok(())
+        }
+    });
+    let engine = Engine::builder(url)
+        .handlers(handlers)
+        .build()
+        .await
+        .unwrap();
+    let counters = engine.counters();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(engine.run(shutdown.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await; // let it go idle
+
+    let mut conn = AsyncPgConnection::establish(url).await.unwrap();
+    let mut committed: Vec<(i64, Instant)> = Vec::new();
+    let mut commit_ms: Vec<f64> = Vec::new();
+    let total = rate * secs;
+    let period = Duration::from_secs_f64(1.0 / rate as f64);
+    let t0 = tokio::time::Instant::now();
+    for i in 0..total {
+        tokio::time::sleep_until(t0 + period * i as u32).await;
+        conn.batch_execute("BEGIN").await.unwrap();
+        let id = postbox::enqueue_async(&mut conn, &Message::new("bench.wake"))
+            .await
+            .unwrap()
+            .id()
+            .unwrap();
+        let at = Instant::now();
+        conn.batch_execute("COMMIT").await.unwrap();
+        commit_ms.push(at.elapsed().as_secs_f64() * 1000.0);
+        committed.push((id, at));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while counters.snapshot().delivered < total && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+    let started = started.lock().unwrap();
+    let mut lat: Vec<f64> = committed
+        .iter()
+        .filter_map(|(id, at)| {
+            started
+                .get(id)
+                .map(|s| s.duration_since(*at).as_secs_f64() * 1000.0)
+        })
+        .collect();
+    assert_eq!(lat.len() as u64, total, "some messages were not handled");
+    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    commit_ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    println!(
+        "  (the COMMIT itself, included above: p50 {:.2} ms, p99 {:.2} ms)",
+        percentile(&commit_ms, 0.5),
+        percentile(&commit_ms, 0.99)
+    );
+    lat
+}
+
+/// Transactions a second of 8 writers over `secs`: one business row, plus one message if asked.
+async fn writers(url: &str, with_message: bool, secs: u64) -> f64 {
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for w in 0..8 {
+        let (url, stop, count) = (url.to_owned(), stop.clone(), count.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
+            let mut i = 0i64;
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                conn.transaction(async |c| {
+                    use diesel_async::RunQueryDsl;
+                    diesel::sql_query(
+                        "INSERT INTO bench_orders (customer, total_cents) VALUES ($1, $2)",
+                    )
+                    .bind::<diesel::sql_types::Integer, _>(w)
+                    .bind::<diesel::sql_types::BigInt, _>(i)
+                    .execute(c)
+                    .await?;
+                    if with_message {
+                        let m = Message::new("bench.order")
+                            .key(format!("c{w}"))
+                            .payload(&serde_json::json!({"n": i}));
+                        postbox::enqueue_async(c, &m).await?;
+                    }
+                    Ok::<_, postbox::Error>(())
+                })
+                .await
+                .unwrap();
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    count.load(Ordering::Relaxed) as f64 / secs as f64
+}
+
+/// Counts every notification on channel `postbox` (LISTEN without registering as waiting).
+async fn count_notifications(url: &str, count: Arc<AtomicU64>) -> tokio::task::JoinHandle<()> {
+    use futures_util::StreamExt;
+    let mut conn = AsyncPgConnection::establish(url).await.unwrap();
+    conn.batch_execute("LISTEN postbox").await.unwrap();
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(conn.notifications_stream());
+        while let Some(Ok(_)) = stream.next().await {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+    })
+}
+
+async fn with_engine<F: std::future::Future<Output = f64>>(url: &str, f: F) -> (f64, u64) {
+    let handlers = Handlers::new().on("bench.order", |_: Job<serde_json::Value>| async { Ok(()) });
+    let engine = Engine::builder(url)
+        .handlers(handlers)
+        .build()
+        .await
+        .unwrap();
+    let counters = engine.counters();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(engine.run(shutdown.clone()));
+    let r = f.await;
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+    (r, counters.snapshot().delivered)
+}
+
+#[tokio::main]
+async fn main() {
+    let a = args();
+    ensure_database(&a.url);
+    postbox::migrate(&mut PgConnection::establish(&a.url).unwrap()).unwrap();
+    let n = a.messages;
+    let run = |part: &str| a.only.as_deref().is_none_or(|o| o == part);
+    let (mut enqueue, mut drain, mut p50, mut p99, mut ratio) =
+        (f64::NAN, f64::NAN, f64::NAN, f64::NAN, f64::NAN);
+
+    if run("drain") {
+        // Side by side, twice, alternating which goes first.
+        let mut engine_rates = Vec::new();
+        let mut raw_rates = Vec::new();
+        let mut enqueue_rates = Vec::new();
+        for round in 0..2 {
+            for which in if round == 0 {
+                ["engine", "raw"]
+            } else {
+                ["raw", "engine"]
+            } {
+                reset(&a.url);
+                enqueue_rates.push(enqueue_noop(&a.url, n).await);
+                if which == "engine" {
+                    engine_rates.push(drain_engine(&a.url, n).await);
+                } else {
+                    let url = a.url.clone();
+                    raw_rates.push(
+                        tokio::task::spawn_blocking(move || drain_raw_sql(&url, n))
+                            .await
+                            .unwrap(),
+                    );
+                }
+            }
+        }
+        enqueue = enqueue_rates.iter().sum::<f64>() / enqueue_rates.len() as f64;
+        drain = engine_rates.iter().sum::<f64>() / engine_rates.len() as f64;
+        let raw = raw_rates.iter().sum::<f64>() / raw_rates.len() as f64;
+        println!(
+            "enqueue: {n} messages with enqueue_many, 1000 a call: {enqueue:.0} msg/s (mean of 4)"
+        );
+        println!("drain: engine (batch 1000, handlers no-op): {engine_rates:.0?} msg/s");
+        println!(
+            "drain: raw SQL loop (claim batch 100 + delete, one connection): {raw_rates:.0?} msg/s"
+        );
+        println!("drain ratio engine/raw = {:.2}", drain / raw);
+    }
+
+    if run("wakeup") {
+        reset(&a.url);
+        let lat = wakeup(&a.url, 500, 5).await;
+        (p50, p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
+        println!(
+            "wake-up at 500 msg/s for 5 s: p50 {p50:.2} ms, p99 {p99:.2} ms, max {:.2} ms",
+            lat[lat.len() - 1]
+        );
+        let sparse = wakeup(&a.url, 20, 5).await;
+        println!(
+            "wake-up at 20 msg/s for 5 s (idle engine, woken by NOTIFY): p50 {:.2} ms, p99 {:.2} ms",
+            percentile(&sparse, 0.5),
+            percentile(&sparse, 0.99)
+        );
+    }
+
+    if run("tx") {
+        let mut plain = Vec::new();
+        let mut unconsumed = Vec::new();
+        for _ in 0..2 {
+            reset(&a.url);
+            plain.push(writers(&a.url, false, 10).await);
+            reset(&a.url);
+            unconsumed.push(writers(&a.url, true, 10).await);
+        }
+        reset(&a.url);
+        let notifies = Arc::new(AtomicU64::new(0));
+        let counting = count_notifications(&a.url, notifies.clone()).await;
+        let (relayed_tx, relayed) = with_engine(&a.url, writers(&a.url, true, 10)).await;
+        counting.abort();
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        ratio = mean(&unconsumed) / mean(&plain);
+        println!(
+            "8 writers, 10 s a run: business row only {plain:.0?} tx/s; + one message {unconsumed:.0?} tx/s"
+        );
+        println!(
+            "  + one message with an engine relaying them: {relayed_tx:.0} tx/s ({:.2} of plain), {relayed} relayed, {} NOTIFYs sent",
+            relayed_tx / mean(&plain),
+            notifies.load(Ordering::Relaxed)
+        );
+    }
+
+    println!("enqueue_msgs_per_s={enqueue:.0}");
+    println!("drain_msgs_per_s={drain:.0}");
+    println!("wakeup_p50_ms={p50:.2}");
+    println!("wakeup_p99_ms={p99:.2}");
+    println!("enqueue_tx_ratio={ratio:.2}");
+}
