@@ -302,6 +302,10 @@ async fn with_engine<F: std::future::Future<Output = f64>>(url: &str, f: F) -> (
 
 #[tokio::main]
 async fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter("warn")
+        .init();
     let a = args();
     ensure_database(&a.url);
     postbox::migrate(&mut PgConnection::establish(&a.url).unwrap()).unwrap();

@@ -569,6 +569,19 @@ async fn expired_leases_of_a_dead_relay_are_rescued_and_delivered() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unmigrated_database_is_an_error_at_build() {
+    let db = TestDb::empty();
+    let e = Engine::builder(&db.url)
+        .handlers(Handlers::new().on("t", |_: Job<()>| async { Ok(()) }))
+        .build()
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(e, postbox::Error::Migration(_)), "{e}");
+    assert!(e.to_string().contains("run postbox::migrate"), "{e}");
+}
+
 #[tokio::test]
 async fn builder_errors_name_the_field() {
     let e = Engine::builder("postgres://unused")

@@ -246,11 +246,19 @@ fn a_single_enqueue_is_a_cached_prepared_statement() {
     conn.set_instrumentation(Cached(cached.clone(), started.clone()));
     for i in 0..5 {
         let m = Message::new("t").payload(&i);
-        let m = if i % 2 == 0 { m.delay(Duration::from_secs(1)) } else { m.key("k") };
+        let m = if i % 2 == 0 {
+            m.delay(Duration::from_secs(1))
+        } else {
+            m.key("k")
+        };
         postbox::enqueue(&mut conn, &m).unwrap();
     }
     assert_eq!(started.load(Ordering::SeqCst), 5);
-    assert_eq!(cached.load(Ordering::SeqCst), 1, "each enqueue was prepared anew");
+    assert_eq!(
+        cached.load(Ordering::SeqCst),
+        1,
+        "each enqueue was prepared anew"
+    );
 }
 
 #[test]

@@ -157,6 +157,7 @@ impl EngineBuilder {
         if let Some(b) = self.backoff {
             store = store.with_backoff(b)?;
         }
+        store.check_schema().await?;
         Ok(Engine {
             store,
             sink,

@@ -75,7 +75,36 @@ FROM live l FULL JOIN dead d ON l.topic = d.topic
 ORDER BY 1
 "#;
 
+/// Every object the store needs, as of the latest migration.
+const SCHEMA_READY: &str = "SELECT to_regclass('postbox.messages') IS NOT NULL
+    AND to_regclass('postbox.dead_letters') IS NOT NULL
+    AND to_regclass('postbox.listeners') IS NOT NULL
+    AND to_regprocedure('postbox.claim(integer, double precision, boolean, text[], text[], bigint, text)') IS NOT NULL
+    AS ready";
+
 impl Store {
+    /// Fails with [`crate::Error::Migration`] unless the database has postbox's schema as of the
+    /// latest migration (engines check this before they start, so a missing migration is an error
+    /// at startup rather than a relay that silently claims nothing).
+    pub async fn check_schema(&self) -> Result<()> {
+        #[derive(QueryableByName)]
+        struct Ready {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            ready: bool,
+        }
+        let mut conn = self.conn().await?;
+        let r: Ready = diesel::sql_query(SCHEMA_READY)
+            .get_result(&mut conn)
+            .await?;
+        if r.ready {
+            Ok(())
+        } else {
+            Err(crate::Error::Migration(
+                "the postbox schema is missing or outdated in this database: run postbox::migrate (or `postbox migrate`)".into(),
+            ))
+        }
+    }
+
     /// Depth per topic and state, the age of the oldest available message, dead letters.
     pub async fn stats(&self) -> Result<Stats> {
         let mut conn = self.conn().await?;
