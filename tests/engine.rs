@@ -609,3 +609,110 @@ async fn builder_errors_name_the_field() {
         .to_string();
     assert!(e.contains("serves no topics"), "{e}");
 }
+
+/// A sink that is down until told otherwise, then delivers everything.
+struct Flaky {
+    up: Arc<std::sync::atomic::AtomicBool>,
+    calls: Arc<AtomicUsize>,
+    delivered: Seen,
+}
+
+impl postbox::sink::Sink for Flaky {
+    fn name(&self) -> &str {
+        "flaky"
+    }
+    fn topics(&self) -> postbox::Topics {
+        postbox::Topics::all()
+    }
+    fn max_batch(&self) -> usize {
+        50
+    }
+    fn deliver(
+        &self,
+        batch: Vec<postbox::ClaimedMessage>,
+    ) -> futures_util::future::BoxFuture<
+        '_,
+        Result<Vec<postbox::sink::Outcome>, postbox::sink::Unavailable>,
+    > {
+        use futures_util::FutureExt;
+        async move {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            if !self.up.load(Ordering::SeqCst) {
+                return Err(postbox::sink::Unavailable("broker down".into()));
+            }
+            let mut d = self.delivered.lock().unwrap();
+            for m in &batch {
+                *d.entry(m.id).or_default() += 1;
+            }
+            Ok(batch
+                .iter()
+                .map(|_| postbox::sink::Outcome::Delivered)
+                .collect())
+        }
+        .boxed()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unavailable_sink_gets_its_batch_back_without_using_attempts_and_the_engine_backs_off() {
+    let db = TestDb::migrated();
+    postbox::enqueue_many(
+        &mut db.conn(),
+        &(0..20)
+            .map(|i| Message::new("t").payload(&i).max_attempts(1))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let up = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let delivered: Seen = Default::default();
+    let sink = Flaky {
+        up: up.clone(),
+        calls: calls.clone(),
+        delivered: delivered.clone(),
+    };
+    let running = start(
+        Engine::builder(&db.url)
+            .sink(sink)
+            .poll_interval(Duration::from_millis(50))
+            .build()
+            .await
+            .unwrap(),
+    );
+    // Down: batches come back released, attempts untouched.
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            running.counters.snapshot().released >= 20
+        })
+        .await
+    );
+    let t = Instant::now();
+    let calls_then = calls.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Backing off (100 ms, doubling): a handful of tries in half a second, not one per poll.
+    let tries = calls.load(Ordering::SeqCst) - calls_then;
+    assert!(
+        tries <= 6,
+        "{tries} tries in {:?}: no back-off",
+        t.elapsed()
+    );
+    // Attempts unused: 0 while waiting, 1 only for a batch being tried right now.
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE attempts = 0 OR (attempts = 1 AND locked_until IS NOT NULL)"),
+        20
+    );
+    // Back up: everything is delivered, on its only attempt.
+    up.store(true, Ordering::SeqCst);
+    assert!(
+        eventually(Duration::from_secs(40), || async {
+            delivered.lock().unwrap().len() == 20
+        })
+        .await
+    );
+    let report = running.stop().await;
+    assert_eq!((report.delivered, report.dead_lettered), (20, 0));
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters"),
+        0
+    );
+}
