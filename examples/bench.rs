@@ -31,6 +31,8 @@ struct Args {
     url: String,
     /// Which parts to run: all by default; `--only drain|wakeup|tx` for one.
     only: Option<String>,
+    /// Claim loops of the draining engine (default: the engine's default).
+    claimers: Option<usize>,
 }
 
 fn args() -> Args {
@@ -38,6 +40,7 @@ fn args() -> Args {
         messages: 100_000,
         url: "postgres://postgres@localhost/postbox_bench".into(),
         only: None,
+        claimers: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -50,8 +53,9 @@ fn args() -> Args {
             }
             "--database-url" => a.url = it.next().expect("--database-url URL"),
             "--only" => a.only = it.next(),
+            "--claimers" => a.claimers = it.next().and_then(|v| v.parse().ok()),
             other => panic!(
-                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL]"
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx] [--claimers N]"
             ),
         }
     }
@@ -107,13 +111,14 @@ async fn enqueue_noop(url: &str, n: usize) -> f64 {
     rate
 }
 
-async fn drain_engine(url: &str, n: usize) -> f64 {
+async fn drain_engine(url: &str, n: usize, claimers: Option<usize>) -> f64 {
     let handlers = Handlers::new().on("bench.noop", |_: Job<serde_json::Value>| async { Ok(()) });
     let engine = Engine::builder(url)
         .handlers(handlers)
         .config(EngineConfig {
             batch_size: 1000,
             concurrency: 2000,
+            claimers: claimers.unwrap_or(EngineConfig::default().claimers),
             drain: true,
             ..Default::default()
         })
@@ -328,7 +333,7 @@ async fn main() {
                 reset(&a.url);
                 enqueue_rates.push(enqueue_noop(&a.url, n).await);
                 if which == "engine" {
-                    engine_rates.push(drain_engine(&a.url, n).await);
+                    engine_rates.push(drain_engine(&a.url, n, a.claimers).await);
                 } else {
                     let url = a.url.clone();
                     raw_rates.push(
