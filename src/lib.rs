@@ -37,11 +37,17 @@
 //! sent as the Kafka header `postbox-id`, is the natural idempotency key).
 
 pub mod backoff;
+#[cfg(feature = "relay")]
+pub mod config;
 #[cfg(feature = "engine")]
 pub mod engine;
 pub mod enqueue;
 pub mod error;
 pub mod message;
+#[cfg(feature = "relay")]
+pub mod metrics;
+#[cfg(feature = "relay")]
+pub mod relay;
 pub mod schema;
 #[cfg(feature = "engine")]
 pub mod sink;

@@ -105,6 +105,16 @@ impl Topics {
         }
     }
 
+    /// The filter as the patterns it was made from (`*` for all).
+    pub fn patterns(&self) -> Vec<String> {
+        if self.all {
+            return vec!["*".into()];
+        }
+        let mut out = self.exact.clone();
+        out.extend(self.like.iter().map(|p| split_like(p).join("*")));
+        out
+    }
+
     /// True if nothing can match.
     pub fn is_empty(&self) -> bool {
         !self.all && self.exact.is_empty() && self.like.is_empty()

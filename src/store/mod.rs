@@ -25,7 +25,7 @@ pub use self::{
     dead::{DeadLetter, DeadSelector, ReplayReport},
     listen::{listen, register_listener, unregister_listener},
     settle::{Dead, RESCUE_BATCH, Retry, RetryReport, Settled},
-    stats::{Stats, TopicStats},
+    stats::{SampleRow, StalledKey, Stats, TopicStats},
 };
 
 #[cfg(feature = "async")]
@@ -102,6 +102,7 @@ mod pool {
             let pool = bb8::Pool::builder()
                 .max_size(max_size)
                 .test_on_check_out(false)
+                .connection_timeout(std::time::Duration::from_secs(10))
                 .build(manager)
                 .await
                 .map_err(|e| Error::Pool(e.to_string()))?;

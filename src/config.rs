@@ -1,0 +1,617 @@
+//! The relay's configuration: a TOML file, the environment and command-line flags, in that order of
+//! increasing precedence over the defaults. Unknown keys are refused; every error names the field.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::EngineConfig;
+use crate::engine::config as defaults;
+
+/// The database a relay uses when none is configured.
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@localhost/postbox";
+/// Where metrics and health are served when nothing is configured.
+pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9464";
+
+/// A configuration problem: the field and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {problem}")]
+pub struct ConfigError {
+    pub field: String,
+    pub problem: String,
+}
+
+fn err(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.into(),
+        problem: problem.into(),
+    }
+}
+
+/// The whole file.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// PostgreSQL URL (`sslmode=require|verify-full` supported).
+    pub database_url: Option<String>,
+    #[serde(default)]
+    pub relay: RelaySection,
+    #[serde(default)]
+    pub metrics: MetricsSection,
+    #[serde(default)]
+    pub sinks: SinksSection,
+    /// Topic patterns → sink, first match wins. None: everything goes to the log sink.
+    #[serde(default)]
+    pub routes: Vec<Route>,
+}
+
+/// `[relay]`: the engine's settings.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RelaySection {
+    pub batch_size: Option<usize>,
+    pub concurrency: Option<usize>,
+    #[serde(default, with = "opt_duration")]
+    pub lease: Option<Duration>,
+    #[serde(default, with = "opt_duration")]
+    pub poll_interval: Option<Duration>,
+    #[serde(default, with = "opt_duration")]
+    pub shutdown_deadline: Option<Duration>,
+}
+
+/// `[metrics]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsSection {
+    /// `host:port` for `/metrics`, `/healthz`, `/readyz`.
+    pub listen: Option<String>,
+    #[serde(default, with = "opt_duration")]
+    pub sample_interval: Option<Duration>,
+}
+
+/// `[sinks]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SinksSection {
+    pub kafka: Option<KafkaSink>,
+}
+
+/// `[sinks.kafka]`.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaSink {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// Any librdkafka producer property (SASL, TLS, compression, ...).
+    #[serde(default)]
+    pub properties: BTreeMap<String, String>,
+}
+
+/// `[[routes]]`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Route {
+    /// Exact names or globs (`orders.*`, `*`).
+    pub topics: Vec<String>,
+    /// `kafka` or `log`.
+    pub sink: String,
+    /// Kafka topic to send to instead of the postbox topic.
+    pub kafka_topic: Option<String>,
+}
+
+/// The sinks a route may name.
+pub const SINK_NAMES: [&str; 2] = ["kafka", "log"];
+
+/// Settings from the environment (`POSTBOX_*`), applied over the file.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub database_url: Option<String>,
+    pub metrics_listen: Option<String>,
+    pub batch_size: Option<String>,
+    pub concurrency: Option<String>,
+    pub lease: Option<String>,
+    pub poll_interval: Option<String>,
+    pub shutdown_deadline: Option<String>,
+    pub kafka_brokers: Option<String>,
+}
+
+impl Overrides {
+    /// Reads `POSTBOX_DATABASE_URL` (falling back to `DATABASE_URL`), `POSTBOX_METRICS_LISTEN`,
+    /// `POSTBOX_BATCH_SIZE`, `POSTBOX_CONCURRENCY`, `POSTBOX_LEASE`, `POSTBOX_POLL_INTERVAL`,
+    /// `POSTBOX_SHUTDOWN_DEADLINE`, `POSTBOX_KAFKA_BROKERS`.
+    pub fn from_env() -> Self {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Overrides {
+            database_url: var("POSTBOX_DATABASE_URL").or_else(|| var("DATABASE_URL")),
+            metrics_listen: var("POSTBOX_METRICS_LISTEN"),
+            batch_size: var("POSTBOX_BATCH_SIZE"),
+            concurrency: var("POSTBOX_CONCURRENCY"),
+            lease: var("POSTBOX_LEASE"),
+            poll_interval: var("POSTBOX_POLL_INTERVAL"),
+            shutdown_deadline: var("POSTBOX_SHUTDOWN_DEADLINE"),
+            kafka_brokers: var("POSTBOX_KAFKA_BROKERS"),
+        }
+    }
+}
+
+/// Parses `30s`, `250ms`, `5m`, `1h`, `2d` (one number and one unit).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .ok_or_else(|| format!("{s:?} has no unit (ms, s, m, h, d)"))?;
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 30s or 250ms"))?;
+    let secs = match unit.trim() {
+        "ms" => n / 1000.0,
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        "d" => n * 86400.0,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {s:?} (use ms, s, m, h or d)"
+            ));
+        }
+    };
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("{s:?} is out of range"))
+}
+
+fn format_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms % 1000 != 0 {
+        format!("{ms}ms")
+    } else {
+        format!("{}s", ms / 1000)
+    }
+}
+
+mod opt_duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_str(&super::format_duration(*d)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        let s = Option::<String>::deserialize(d)?;
+        s.map(|s| super::parse_duration(&s).map_err(serde::de::Error::custom))
+            .transpose()
+    }
+}
+
+/// The configuration a relay runs with, every default filled in and validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    pub database_url: String,
+    pub engine: EngineConfig,
+    pub metrics_listen: SocketAddr,
+    pub sample_interval: Duration,
+    pub kafka: Option<KafkaSink>,
+    pub routes: Vec<Route>,
+}
+
+impl Config {
+    /// Parses a TOML document; unknown keys and wrong types are errors naming the key.
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| {
+            let msg = e.message().trim().to_owned();
+            let (field, line) = match e.span() {
+                Some(span) => field_at(text, span.start),
+                None => ("config file".to_owned(), 0),
+            };
+            err(field, format!("{msg} (line {line})"))
+        })
+    }
+
+    /// Applies the environment, fills in defaults, validates.
+    pub fn resolve(mut self, env: Overrides) -> Result<Settings, ConfigError> {
+        let num = |field: &str, v: &str| {
+            v.parse::<usize>()
+                .map_err(|_| err(field, format!("{v:?} is not a whole number")))
+        };
+        let dur = |field: &str, v: &str| parse_duration(v).map_err(|p| err(field, p));
+        if let Some(v) = env.database_url {
+            self.database_url = Some(v);
+        }
+        if let Some(v) = env.metrics_listen {
+            self.metrics.listen = Some(v);
+        }
+        if let Some(v) = env.batch_size {
+            self.relay.batch_size = Some(num("relay.batch_size (POSTBOX_BATCH_SIZE)", &v)?);
+        }
+        if let Some(v) = env.concurrency {
+            self.relay.concurrency = Some(num("relay.concurrency (POSTBOX_CONCURRENCY)", &v)?);
+        }
+        if let Some(v) = env.lease {
+            self.relay.lease = Some(dur("relay.lease (POSTBOX_LEASE)", &v)?);
+        }
+        if let Some(v) = env.poll_interval {
+            self.relay.poll_interval =
+                Some(dur("relay.poll_interval (POSTBOX_POLL_INTERVAL)", &v)?);
+        }
+        if let Some(v) = env.shutdown_deadline {
+            self.relay.shutdown_deadline = Some(dur(
+                "relay.shutdown_deadline (POSTBOX_SHUTDOWN_DEADLINE)",
+                &v,
+            )?);
+        }
+        if let Some(v) = env.kafka_brokers {
+            self.sinks
+                .kafka
+                .get_or_insert_with(Default::default)
+                .brokers = v;
+        }
+        self.settings()
+    }
+
+    fn settings(self) -> Result<Settings, ConfigError> {
+        let database_url = self
+            .database_url
+            .unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned());
+        if !(database_url.starts_with("postgres://") || database_url.starts_with("postgresql://")) {
+            return Err(err(
+                "database_url",
+                format!("{} is not a postgres:// URL", redact_url(&database_url)),
+            ));
+        }
+        let mut engine = EngineConfig::default();
+        let r = &self.relay;
+        engine.batch_size = r.batch_size.unwrap_or(defaults::DEFAULT_BATCH_SIZE);
+        engine.concurrency = r.concurrency.unwrap_or(defaults::DEFAULT_CONCURRENCY);
+        engine.lease = r.lease.unwrap_or(defaults::DEFAULT_LEASE);
+        engine.poll_interval = r.poll_interval.unwrap_or(defaults::DEFAULT_POLL_INTERVAL);
+        engine.shutdown_deadline = r
+            .shutdown_deadline
+            .unwrap_or(defaults::DEFAULT_SHUTDOWN_DEADLINE);
+        engine.validate().map_err(|e| match e {
+            crate::Error::InvalidArgument { field, problem } => {
+                err(format!("relay.{field}"), problem)
+            }
+            other => err("relay", other.to_string()),
+        })?;
+        let listen = self
+            .metrics
+            .listen
+            .as_deref()
+            .unwrap_or(DEFAULT_METRICS_LISTEN);
+        let metrics_listen = listen.parse::<SocketAddr>().map_err(|_| {
+            err(
+                "metrics.listen",
+                format!("{listen:?} is not host:port (like 0.0.0.0:9464)"),
+            )
+        })?;
+        let sample_interval = self
+            .metrics
+            .sample_interval
+            .unwrap_or(Duration::from_secs(5));
+        if sample_interval < Duration::from_millis(100) {
+            return Err(err("metrics.sample_interval", "must be at least 100ms"));
+        }
+        if let Some(k) = &self.sinks.kafka {
+            if k.brokers.trim().is_empty() {
+                return Err(err(
+                    "sinks.kafka.brokers",
+                    "must name at least one broker (host:port)",
+                ));
+            }
+        }
+        let mut routes = self.routes;
+        if routes.is_empty() {
+            routes.push(Route {
+                topics: vec!["*".into()],
+                sink: "log".into(),
+                kafka_topic: None,
+            });
+        }
+        for (i, route) in routes.iter().enumerate() {
+            let at = |f: &str| format!("routes[{i}].{f}");
+            if route.topics.is_empty() || route.topics.iter().any(|t| t.is_empty()) {
+                return Err(err(
+                    at("topics"),
+                    "must list at least one non-empty topic or pattern",
+                ));
+            }
+            match route.sink.as_str() {
+                "kafka" if self.sinks.kafka.is_none() => {
+                    return Err(err(
+                        at("sink"),
+                        "routes to kafka but [sinks.kafka] is not configured",
+                    ));
+                }
+                "kafka" => {}
+                "log" if route.kafka_topic.is_some() => {
+                    return Err(err(
+                        at("kafka_topic"),
+                        "only a kafka route can rename its topic",
+                    ));
+                }
+                "log" => {}
+                other => {
+                    return Err(err(
+                        at("sink"),
+                        format!("unknown sink {other:?} (expected one of {SINK_NAMES:?})"),
+                    ));
+                }
+            }
+        }
+        Ok(Settings {
+            database_url,
+            engine,
+            metrics_listen,
+            sample_interval,
+            kafka: self.sinks.kafka,
+            routes,
+        })
+    }
+}
+
+/// The dotted name of the key whose line holds byte `at` (`relay.lease`), and the line number.
+fn field_at(text: &str, at: usize) -> (String, usize) {
+    let at = at.min(text.len());
+    let line_start = text[..at].rfind('\n').map_or(0, |i| i + 1);
+    let line_no = text[..at].matches('\n').count() + 1;
+    let line = text[line_start..].lines().next().unwrap_or("");
+    let key = line
+        .split('=')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .trim_matches('"');
+    let section = text[..line_start]
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .map(|l| l.trim_matches(|c| c == '[' || c == ']').trim().to_owned());
+    let key = if key.is_empty() || key.starts_with('[') {
+        None
+    } else {
+        Some(key)
+    };
+    let field = match (section, key) {
+        (Some(s), Some(k)) => format!("{s}.{k}"),
+        (None, Some(k)) => k.to_owned(),
+        (Some(s), None) => s,
+        (None, None) => "config file".to_owned(),
+    };
+    (field, line_no)
+}
+
+impl Settings {
+    /// The effective configuration as TOML, secrets redacted (what `postbox config check` prints).
+    pub fn to_redacted_toml(&self) -> String {
+        let file = Config {
+            database_url: Some(redact_url(&self.database_url)),
+            relay: RelaySection {
+                batch_size: Some(self.engine.batch_size),
+                concurrency: Some(self.engine.concurrency),
+                lease: Some(self.engine.lease),
+                poll_interval: Some(self.engine.poll_interval),
+                shutdown_deadline: Some(self.engine.shutdown_deadline),
+            },
+            metrics: MetricsSection {
+                listen: Some(self.metrics_listen.to_string()),
+                sample_interval: Some(self.sample_interval),
+            },
+            sinks: SinksSection {
+                kafka: self.kafka.as_ref().map(|k| KafkaSink {
+                    brokers: k.brokers.clone(),
+                    properties: k
+                        .properties
+                        .iter()
+                        .map(|(key, v)| {
+                            (
+                                key.clone(),
+                                if is_secret(key) {
+                                    "<redacted>".to_owned()
+                                } else {
+                                    v.clone()
+                                },
+                            )
+                        })
+                        .collect(),
+                }),
+            },
+            routes: self.routes.clone(),
+        };
+        toml::to_string(&file).expect("the configuration serializes")
+    }
+}
+
+/// True for librdkafka properties that hold credentials.
+pub fn is_secret(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    [
+        "password",
+        "secret",
+        "sasl.jaas",
+        "sasl.oauthbearer.config",
+        "ssl.key.pem",
+        "ssl_key",
+        "token",
+    ]
+    .iter()
+    .any(|s| k.contains(s))
+}
+
+/// The URL with its password (and any `password=` parameter) replaced by `<redacted>`.
+pub fn redact_url(url: &str) -> String {
+    let mut out = url.to_owned();
+    if let Some(scheme_end) = out.find("://") {
+        let rest_start = scheme_end + 3;
+        let authority_end = out[rest_start..]
+            .find(['/', '?'])
+            .map_or(out.len(), |i| rest_start + i);
+        if let Some(at) = out[rest_start..authority_end].rfind('@') {
+            let userinfo = &out[rest_start..rest_start + at];
+            if let Some(colon) = userinfo.find(':') {
+                let start = rest_start + colon + 1;
+                out.replace_range(start..rest_start + at, "<redacted>");
+            }
+        }
+    }
+    if let Some(q) = out.find("password=") {
+        let end = out[q..].find('&').map_or(out.len(), |i| q + i);
+        out.replace_range(q + "password=".len()..end, "<redacted>");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CONTRACT: &str = r#"
+database_url = "postgres://postgres@localhost/postbox"
+
+[relay]
+batch_size = 500
+concurrency = 64
+lease = "30s"
+poll_interval = "5s"
+shutdown_deadline = "25s"
+
+[metrics]
+listen = "0.0.0.0:9464"
+
+[sinks.kafka]
+brokers = "localhost:9092"
+properties = { "compression.type" = "lz4" }   # any librdkafka property
+
+[[routes]]
+topics = ["orders.*"]
+sink = "kafka"
+kafka_topic = "orders"                        # optional rename
+
+[[routes]]
+topics = ["*"]
+sink = "log"
+"#;
+
+    #[test]
+    fn the_contract_file_is_accepted_as_it_is() {
+        let s = Config::from_toml(CONTRACT)
+            .unwrap()
+            .resolve(Overrides::default())
+            .unwrap();
+        assert_eq!(s.engine.batch_size, 500);
+        assert_eq!(s.engine.concurrency, 64);
+        assert_eq!(s.engine.lease, Duration::from_secs(30));
+        assert_eq!(s.routes.len(), 2);
+        assert_eq!(s.kafka.unwrap().properties["compression.type"], "lz4");
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let e = Config::from_toml("[relay]\nbatchsize = 5\n").unwrap_err();
+        assert_eq!(e.field, "relay.batchsize", "{e}");
+        assert!(e.problem.contains("unknown field"), "{e}");
+        let e = Config::from_toml("databse_url = \"x\"\n").unwrap_err();
+        assert_eq!(e.field, "databse_url", "{e}");
+        let e = Config::from_toml("[metrics]\nlisten = \"a\"\n[relay]\nlease = \"soon\"\n")
+            .unwrap_err();
+        assert_eq!(e.field, "relay.lease", "{e}");
+        assert!(e.problem.contains("line 4"), "{e}");
+    }
+
+    #[test]
+    fn invalid_values_name_the_field() {
+        let bad = |toml: &str| {
+            Config::from_toml(toml)
+                .and_then(|c| c.resolve(Overrides::default()))
+                .unwrap_err()
+                .field
+        };
+        assert_eq!(bad("[relay]\nbatch_size = 0\n"), "relay.batch_size");
+        assert_eq!(bad("[relay]\nlease = \"30 parsecs\"\n"), "relay.lease");
+        assert_eq!(bad("[metrics]\nlisten = \"nowhere\"\n"), "metrics.listen");
+        assert_eq!(
+            bad("[[routes]]\ntopics = [\"*\"]\nsink = \"kafka\"\n"),
+            "routes[0].sink"
+        );
+        assert_eq!(
+            bad("[[routes]]\ntopics = [\"*\"]\nsink = \"s3\"\n"),
+            "routes[0].sink"
+        );
+        assert_eq!(bad("database_url = \"mysql://x\"\n"), "database_url");
+    }
+
+    #[test]
+    fn precedence_is_env_over_file_over_default() {
+        let c =
+            Config::from_toml("database_url = \"postgres://file/db\"\n[relay]\nbatch_size = 7\n")
+                .unwrap();
+        let s = c.clone().resolve(Overrides::default()).unwrap();
+        assert_eq!(
+            (
+                s.database_url.as_str(),
+                s.engine.batch_size,
+                s.engine.concurrency
+            ),
+            ("postgres://file/db", 7, 100)
+        );
+        let env = Overrides {
+            database_url: Some("postgres://env/db".into()),
+            batch_size: Some("9".into()),
+            ..Default::default()
+        };
+        let s = c.resolve(env).unwrap();
+        assert_eq!(
+            (s.database_url.as_str(), s.engine.batch_size),
+            ("postgres://env/db", 9)
+        );
+        let e = Config::default()
+            .resolve(Overrides {
+                lease: Some("soon".into()),
+                ..Default::default()
+            })
+            .unwrap_err();
+        assert_eq!(e.field, "relay.lease (POSTBOX_LEASE)");
+    }
+
+    #[test]
+    fn secrets_are_redacted() {
+        assert_eq!(
+            redact_url("postgres://u:hunter2@h:5432/db?sslmode=require"),
+            "postgres://u:<redacted>@h:5432/db?sslmode=require"
+        );
+        assert_eq!(
+            redact_url("postgres://u@h/db?password=hunter2&x=1"),
+            "postgres://u@h/db?password=<redacted>&x=1"
+        );
+        let c = Config::from_toml(
+            "database_url = \"postgres://u:pw@h/db\"\n[sinks.kafka]\nbrokers = \"b:9092\"\nproperties = { \"sasl.password\" = \"pw\", \"sasl.username\" = \"u\" }\n",
+        )
+        .unwrap();
+        let out = c.resolve(Overrides::default()).unwrap().to_redacted_toml();
+        assert!(!out.contains("pw\""), "{out}");
+        assert!(
+            out.contains("sasl.username") && out.contains("<redacted>"),
+            "{out}"
+        );
+        // What is printed is itself a valid config.
+        Config::from_toml(&out).unwrap();
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(
+            parse_duration("7d").unwrap(),
+            Duration::from_secs(7 * 86400)
+        );
+        assert!(parse_duration("5").is_err());
+        assert!(parse_duration("5 fortnights").is_err());
+    }
+}

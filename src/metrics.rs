@@ -1,0 +1,329 @@
+//! Every metric of the relay, defined once, with bounded labels (topic, sink, state, table; never
+//! a message id). Engine events arrive through [`Observer`]; database gauges are set from one
+//! sampling query on an interval, never per scrape.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus::{
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    Opts, Registry, TextEncoder,
+};
+
+use crate::engine::{Observer, Settlement};
+use crate::store::SampleRow;
+
+/// The relay's metrics and the health they imply.
+pub struct Metrics {
+    registry: Registry,
+    delivered: IntCounterVec,
+    retried: IntCounterVec,
+    dead_lettered: IntCounterVec,
+    released: IntCounter,
+    fenced: IntCounter,
+    delivery_duration: HistogramVec,
+    end_to_end: HistogramVec,
+    claim_batch: Histogram,
+    queue_depth: GaugeVec,
+    oldest_pending: GaugeVec,
+    dead_letters: GaugeVec,
+    stalled_keys: GaugeVec,
+    dead_tuples: GaugeVec,
+    live_tuples: GaugeVec,
+    oldest_transaction: Gauge,
+    sink_up: GaugeVec,
+    database_up: Gauge,
+    notifier_connected: Gauge,
+    database_ok: AtomicBool,
+    sinks_down: Mutex<HashMap<String, bool>>,
+}
+
+fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(c.clone())).expect("registered once");
+    c
+}
+
+fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("registered once");
+    g
+}
+
+fn gauge(r: &Registry, name: &str, help: &str) -> Gauge {
+    let g = Gauge::new(name, help).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("registered once");
+    g
+}
+
+impl Metrics {
+    /// Registers every metric; `sinks` start as up.
+    pub fn new(sinks: &[&str]) -> Arc<Self> {
+        let r = Registry::new();
+        let latency_buckets = vec![
+            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            60.0, 300.0,
+        ];
+        let delivery_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "postbox_delivery_duration_seconds",
+                "Time a sink took to deliver one chunk of messages.",
+            )
+            .buckets(latency_buckets.clone()),
+            &["sink"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(delivery_duration.clone()))
+            .expect("registered once");
+        let end_to_end = HistogramVec::new(
+            HistogramOpts::new(
+                "postbox_end_to_end_latency_seconds",
+                "From a message's creation (its commit, roughly) to its acknowledgement by the sink.",
+            )
+            .buckets(latency_buckets),
+            &["topic"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(end_to_end.clone()))
+            .expect("registered once");
+        let claim_batch = Histogram::with_opts(
+            HistogramOpts::new(
+                "postbox_claim_batch_size",
+                "Messages returned by one claim statement.",
+            )
+            .buckets(vec![
+                0.0, 1.0, 5.0, 10.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 5000.0,
+            ]),
+        )
+        .expect("valid metric");
+        r.register(Box::new(claim_batch.clone()))
+            .expect("registered once");
+        let m = Metrics {
+            delivered: counter_vec(
+                &r,
+                "postbox_messages_delivered_total",
+                "Messages acknowledged by their sink and deleted.",
+                &["topic", "sink"],
+            ),
+            retried: counter_vec(
+                &r,
+                "postbox_messages_retried_total",
+                "Failed deliveries sent back to pending with backoff.",
+                &["topic", "sink"],
+            ),
+            dead_lettered: counter_vec(
+                &r,
+                "postbox_messages_dead_lettered_total",
+                "Messages moved to the dead letters.",
+                &["topic", "sink"],
+            ),
+            released: {
+                let c = IntCounter::new(
+                    "postbox_messages_released_total",
+                    "Messages handed back without using an attempt (shutdown, sink outage).",
+                )
+                .expect("valid metric");
+                r.register(Box::new(c.clone())).expect("registered once");
+                c
+            },
+            fenced: {
+                let c = IntCounter::new("postbox_lease_fenced_total", "Outcomes that changed nothing because the lease had expired and the message was claimed again.").expect("valid metric");
+                r.register(Box::new(c.clone())).expect("registered once");
+                c
+            },
+            delivery_duration,
+            end_to_end,
+            claim_batch,
+            queue_depth: gauge_vec(
+                &r,
+                "postbox_queue_depth",
+                "Live messages per topic and state (available, scheduled, running).",
+                &["topic", "state"],
+            ),
+            oldest_pending: gauge_vec(
+                &r,
+                "postbox_oldest_pending_age_seconds",
+                "How long the oldest claimable message has waited.",
+                &["topic"],
+            ),
+            dead_letters: gauge_vec(
+                &r,
+                "postbox_dead_letters",
+                "Messages in the dead letters.",
+                &["topic"],
+            ),
+            stalled_keys: gauge_vec(
+                &r,
+                "postbox_stalled_keys",
+                "Ordered keys whose head has failed and holds the rest back.",
+                &["topic"],
+            ),
+            dead_tuples: gauge_vec(
+                &r,
+                "postbox_table_dead_tuples",
+                "Dead tuples of postbox's tables (vacuum is behind when this grows).",
+                &["table"],
+            ),
+            live_tuples: gauge_vec(
+                &r,
+                "postbox_table_live_tuples",
+                "Live tuples of postbox's tables.",
+                &["table"],
+            ),
+            oldest_transaction: gauge(
+                &r,
+                "postbox_oldest_transaction_age_seconds",
+                "Age of the oldest open transaction in the server: the xmin horizon that stops vacuum.",
+            ),
+            sink_up: gauge_vec(
+                &r,
+                "postbox_sink_up",
+                "1 while the sink takes messages.",
+                &["sink"],
+            ),
+            database_up: gauge(
+                &r,
+                "postbox_database_up",
+                "1 while the last database sample succeeded.",
+            ),
+            notifier_connected: gauge(
+                &r,
+                "postbox_notifier_connected",
+                "1 while the LISTEN connection is up.",
+            ),
+            database_ok: AtomicBool::new(false),
+            sinks_down: Mutex::new(HashMap::new()),
+            registry: r,
+        };
+        let build = gauge_vec(
+            &m.registry,
+            "postbox_build_info",
+            "Always 1; labels say which build runs.",
+            &["version"],
+        );
+        build
+            .with_label_values(&[env!("CARGO_PKG_VERSION")])
+            .set(1.0);
+        for s in sinks {
+            m.sink_up.with_label_values(&[s]).set(1.0);
+        }
+        Arc::new(m)
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding cannot fail");
+        String::from_utf8(buf).expect("the text format is UTF-8")
+    }
+
+    /// Sets the database gauges from a sample (or marks the database down).
+    pub fn apply_sample(&self, sample: Result<&[SampleRow], ()>) {
+        let Ok(rows) = sample else {
+            self.database_up.set(0.0);
+            self.database_ok.store(false, Ordering::Release);
+            return;
+        };
+        for g in [
+            &self.queue_depth,
+            &self.oldest_pending,
+            &self.dead_letters,
+            &self.stalled_keys,
+            &self.dead_tuples,
+            &self.live_tuples,
+        ] {
+            g.reset();
+        }
+        for r in rows {
+            match r.metric.as_str() {
+                "depth" => self
+                    .queue_depth
+                    .with_label_values(&[&r.label, &r.state])
+                    .set(r.value),
+                "oldest_available" => self
+                    .oldest_pending
+                    .with_label_values(&[&r.label])
+                    .set(r.value),
+                "dead" => self
+                    .dead_letters
+                    .with_label_values(&[&r.label])
+                    .set(r.value),
+                "stalled" => self
+                    .stalled_keys
+                    .with_label_values(&[&r.label])
+                    .set(r.value),
+                "dead_tuples" => self.dead_tuples.with_label_values(&[&r.label]).set(r.value),
+                "live_tuples" => self.live_tuples.with_label_values(&[&r.label]).set(r.value),
+                "oldest_transaction" => self.oldest_transaction.set(r.value),
+                _ => {}
+            }
+        }
+        self.database_up.set(1.0);
+        self.database_ok.store(true, Ordering::Release);
+    }
+
+    /// Ready: the database answers and every sink takes messages.
+    pub fn ready(&self) -> Result<(), String> {
+        if !self.database_ok.load(Ordering::Acquire) {
+            return Err("database unreachable".into());
+        }
+        let down: Vec<String> = self
+            .sinks_down
+            .lock()
+            .expect("sinks lock")
+            .iter()
+            .filter(|(_, d)| **d)
+            .map(|(s, _)| s.clone())
+            .collect();
+        if down.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("sink unavailable: {}", down.join(", ")))
+        }
+    }
+}
+
+impl Observer for Metrics {
+    fn claimed(&self, n: usize) {
+        self.claim_batch.observe(n as f64);
+    }
+
+    fn settled(&self, topic: &str, sink: &str, what: Settlement, age: Duration) {
+        match what {
+            Settlement::Delivered => {
+                self.delivered.with_label_values(&[topic, sink]).inc();
+                self.end_to_end
+                    .with_label_values(&[topic])
+                    .observe(age.as_secs_f64());
+            }
+            Settlement::Retried => self.retried.with_label_values(&[topic, sink]).inc(),
+            Settlement::DeadLettered => self.dead_lettered.with_label_values(&[topic, sink]).inc(),
+            Settlement::Released => self.released.inc(),
+            Settlement::Fenced => self.fenced.inc(),
+        }
+    }
+
+    fn delivery(&self, sink: &str, _n: usize, elapsed: Duration) {
+        self.delivery_duration
+            .with_label_values(&[sink])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    fn sink_up(&self, sink: &str, up: bool) {
+        self.sink_up
+            .with_label_values(&[sink])
+            .set(if up { 1.0 } else { 0.0 });
+        self.sinks_down
+            .lock()
+            .expect("sinks lock")
+            .insert(sink.to_owned(), !up);
+    }
+
+    fn notifier_connected(&self, up: bool) {
+        self.notifier_connected.set(if up { 1.0 } else { 0.0 });
+    }
+}

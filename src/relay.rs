@@ -1,0 +1,450 @@
+//! The relay's commands, behind the thin CLI in `main.rs`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Settings, redact_url};
+use crate::engine::{Engine, Observer, RunReport, Settlement};
+use crate::metrics::Metrics;
+use crate::sink::Sink;
+use crate::sink::log::LogSink;
+use crate::sink::router::{RouteTo, Router};
+use crate::store::{DeadSelector, Store, Topics};
+use crate::{Error, Message};
+
+/// An error of the relay, with the exit code it maps to.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// Bad usage or configuration: exit code 2.
+    #[error("{0}")]
+    Usage(String),
+    /// Anything that went wrong while running: exit code 1.
+    #[error(transparent)]
+    Runtime(#[from] anyhow::Error),
+}
+
+impl RelayError {
+    /// The process exit code.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            RelayError::Usage(_) => 2,
+            RelayError::Runtime(_) => 1,
+        }
+    }
+}
+
+impl From<Error> for RelayError {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::InvalidMessage(_) | Error::InvalidArgument { .. } => {
+                RelayError::Usage(e.to_string())
+            }
+            other => RelayError::Runtime(other.into()),
+        }
+    }
+}
+
+type Result<T> = std::result::Result<T, RelayError>;
+
+/// Splits `postgres://host/db?x` into the server URL (database `postgres`) and the name `db`.
+fn admin_url(url: &str) -> Option<(String, String)> {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(b, q)| (b, Some(q)));
+    let scheme_end = base.find("://")? + 3;
+    let slash = base[scheme_end..].find('/')? + scheme_end;
+    let name = &base[slash + 1..];
+    if name.is_empty() {
+        return None;
+    }
+    let admin = format!(
+        "{}/postgres{}",
+        &base[..slash],
+        query.map(|q| format!("?{q}")).unwrap_or_default()
+    );
+    Some((admin, name.to_owned()))
+}
+
+/// Creates the database if it does not exist, then runs the pending migrations.
+pub async fn migrate(settings: &Settings) -> Result<Vec<String>> {
+    let url = &settings.database_url;
+    if AsyncPgConnection::establish(url).await.is_err() {
+        let (admin, name) = admin_url(url).ok_or_else(|| {
+            RelayError::Usage(format!(
+                "database_url: {} names no database",
+                redact_url(url)
+            ))
+        })?;
+        let mut conn = AsyncPgConnection::establish(&admin)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot reach the server of {}: {e}", redact_url(url)))?;
+        let quoted = format!("\"{}\"", name.replace('"', "\"\""));
+        if let Err(e) = conn
+            .batch_execute(&format!("CREATE DATABASE {quoted}"))
+            .await
+        {
+            // Another process may have created it meanwhile.
+            if !e.to_string().contains("already exists") {
+                return Err(anyhow::anyhow!("create database {quoted}: {e}").into());
+            }
+        }
+        tracing::info!(database = %name, "created database");
+    }
+    let mut conn = AsyncPgConnection::establish(url)
+        .await
+        .map_err(|e| anyhow::anyhow!("connect to {}: {e}", redact_url(url)))?;
+    Ok(crate::migrate_async(&mut conn).await?)
+}
+
+/// Opens the store, retrying with back-off while the database is unreachable (a relay that
+/// starts before its database must not crash-loop), until `stop`.
+pub async fn connect(settings: &Settings, stop: &CancellationToken) -> Result<Store> {
+    let mut pause = Duration::from_millis(250);
+    loop {
+        let attempt = async {
+            // A direct connection first: it fails at once when nothing listens (a pool would wait
+            // out its checkout timeout).
+            drop(crate::store::connect::establish(&settings.database_url).await?);
+            let store =
+                Store::connect(&settings.database_url, crate::engine::DEFAULT_POOL_SIZE).await?;
+            store.check_schema().await?;
+            Ok::<_, Error>(store)
+        };
+        match attempt.await {
+            Ok(store) => return Ok(store),
+            Err(Error::Migration(m)) => return Err(anyhow::anyhow!("{m}").into()),
+            Err(e) => {
+                tracing::warn!(database = %redact_url(&settings.database_url), error = %redact_url(&e.to_string()), retry_in = ?pause, "database unreachable");
+                tokio::select! {
+                    _ = tokio::time::sleep(pause) => {}
+                    _ = stop.cancelled() => return Err(anyhow::anyhow!("stopped before the database was reachable").into()),
+                }
+                pause = (pause * 2).min(Duration::from_secs(30));
+            }
+        }
+    }
+}
+
+/// The sink the routes describe.
+pub fn build_sink(settings: &Settings) -> Result<Arc<dyn Sink>> {
+    let mut routes = Vec::new();
+    for (i, r) in settings.routes.iter().enumerate() {
+        let topics = Topics::only(&r.topics);
+        let sink: Arc<dyn Sink> = match r.sink.as_str() {
+            "log" => Arc::new(LogSink::new(topics.clone())),
+            "kafka" => {
+                return Err(RelayError::Usage(format!(
+                    "routes[{i}].sink: the kafka sink is not part of this build yet (use sink = \"log\")"
+                )));
+            }
+            other => {
+                return Err(RelayError::Usage(format!(
+                    "routes[{i}].sink: unknown sink {other:?}"
+                )));
+            }
+        };
+        routes.push(RouteTo { topics, sink });
+    }
+    Ok(Arc::new(Router::new(routes)))
+}
+
+/// Runs the relay until a signal (or, with `drain`, until nothing claimable is left): metrics and
+/// health on the configured address, database gauges sampled on an interval.
+pub async fn run(
+    settings: Settings,
+    drain: bool,
+    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
+) -> Result<RunReport> {
+    let sink = build_sink(&settings)?;
+    let metrics = Metrics::new(&[sink.name()]);
+    let server = serve_metrics(settings.metrics_listen, metrics.clone(), shutdown.clone()).await?;
+    let store = match connect(&settings, &shutdown).await {
+        Ok(s) => s,
+        // Asked to stop while still waiting for the database: nothing was claimed, a clean exit.
+        Err(_) if shutdown.is_cancelled() => {
+            let _ = server.await;
+            return Ok(RunReport::default());
+        }
+        Err(e) => return Err(e),
+    };
+    let sampler = tokio::spawn(sample(
+        store.clone(),
+        metrics.clone(),
+        settings.sample_interval,
+        shutdown.clone(),
+    ));
+    let mut builder = Engine::builder(&settings.database_url)
+        .store(store)
+        .sink_arc(sink)
+        .config(settings.engine.clone())
+        .drain(drain)
+        .observer(metrics.clone());
+    if drain {
+        builder = builder.listen(false);
+    }
+    let engine = builder.build().await?;
+    tracing::info!(database = %redact_url(&settings.database_url), metrics = %settings.metrics_listen, "relay running");
+    let report = engine.run_until(shutdown.clone(), hard_stop).await?;
+    shutdown.cancel();
+    let _ = sampler.await;
+    let _ = server.await;
+    tracing::info!(?report, "relay stopped");
+    Ok(report)
+}
+
+async fn sample(store: Store, metrics: Arc<Metrics>, every: Duration, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.cancelled() => return,
+        }
+        match store.sample().await {
+            Ok(rows) => metrics.apply_sample(Ok(&rows)),
+            Err(e) => {
+                tracing::warn!(error = %e, "database sample failed");
+                metrics.apply_sample(Err(()));
+            }
+        }
+    }
+}
+
+/// Serves `/metrics`, `/healthz`, `/readyz` until `stop`.
+pub async fn serve_metrics(
+    addr: std::net::SocketAddr,
+    metrics: Arc<Metrics>,
+    stop: CancellationToken,
+) -> Result<tokio::task::JoinHandle<()>> {
+    use axum::http::{StatusCode, header};
+    use axum::routing::get;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| RelayError::Usage(format!("metrics.listen: cannot listen on {addr}: {e}")))?;
+    let m1 = metrics.clone();
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let m = m1.clone();
+                async move {
+                    (
+                        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                        m.render(),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let m = metrics.clone();
+                async move {
+                    match m.ready() {
+                        Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
+                        Err(why) => (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            format!("not ready: {why}\n"),
+                        ),
+                    }
+                }
+            }),
+        );
+    Ok(tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await;
+    }))
+}
+
+/// Enqueues one message from the command line.
+pub async fn enqueue(settings: &Settings, msg: Message) -> Result<crate::Enqueued> {
+    msg.validate()
+        .map_err(|e| RelayError::Usage(e.to_string()))?;
+    let mut conn = AsyncPgConnection::establish(&settings.database_url)
+        .await
+        .map_err(|e| anyhow::anyhow!("connect to {}: {e}", redact_url(&settings.database_url)))?;
+    Ok(crate::enqueue_async(&mut conn, &msg).await?)
+}
+
+/// Opens a store for the admin commands (status, dead ...), without retrying.
+pub async fn admin_store(settings: &Settings) -> Result<Store> {
+    let store = Store::connect(&settings.database_url, 2)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "connect to {}: {}",
+                redact_url(&settings.database_url),
+                redact_url(&e.to_string())
+            )
+        })?;
+    store
+        .check_schema()
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(store)
+}
+
+/// `dead replay` / `dead purge` selectors from the command line.
+pub fn selector(
+    ids: Vec<i64>,
+    topic: Option<String>,
+    older_than: Option<Duration>,
+    all: bool,
+) -> Result<DeadSelector> {
+    let given = usize::from(!ids.is_empty())
+        + usize::from(topic.is_some())
+        + usize::from(older_than.is_some())
+        + usize::from(all);
+    if given != 1 {
+        return Err(RelayError::Usage(
+            "choose exactly one of --id, --topic, --older-than, --all".into(),
+        ));
+    }
+    Ok(if !ids.is_empty() {
+        DeadSelector::Ids(ids)
+    } else if let Some(t) = topic {
+        DeadSelector::Topic(t)
+    } else if let Some(d) = older_than {
+        DeadSelector::OlderThan(d)
+    } else {
+        DeadSelector::All
+    })
+}
+
+/// Records end-to-end latencies (and passes everything to the metrics).
+struct Latencies {
+    inner: Arc<Metrics>,
+    seconds: std::sync::Mutex<Vec<f64>>,
+}
+
+impl Observer for Latencies {
+    fn claimed(&self, n: usize) {
+        self.inner.claimed(n);
+    }
+    fn settled(&self, topic: &str, sink: &str, what: Settlement, age: Duration) {
+        if what == Settlement::Delivered {
+            self.seconds
+                .lock()
+                .expect("latency lock")
+                .push(age.as_secs_f64());
+        }
+        self.inner.settled(topic, sink, what, age);
+    }
+    fn delivery(&self, sink: &str, n: usize, elapsed: Duration) {
+        self.inner.delivery(sink, n, elapsed);
+    }
+}
+
+/// What `demo` did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DemoSummary {
+    pub orders: usize,
+    pub messages: u64,
+    pub seconds: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+/// Migrates, writes `orders` sample orders (each a business row and its message in one
+/// transaction, 4 writers) while a relay with the log sink runs, waits until every message is
+/// delivered, and summarises.
+pub async fn demo(settings: Settings, orders: usize) -> Result<DemoSummary> {
+    migrate(&settings).await?;
+    let url = settings.database_url.clone();
+    {
+        let mut conn = AsyncPgConnection::establish(&url)
+            .await
+            .map_err(|e| anyhow::anyhow!("connect: {e}"))?;
+        conn.batch_execute(
+            "CREATE TABLE IF NOT EXISTS demo_orders (id bigserial PRIMARY KEY, customer text NOT NULL,
+                 total_cents bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("create demo_orders: {e}"))?;
+    }
+    let store = Store::connect(&url, crate::engine::DEFAULT_POOL_SIZE).await?;
+    let metrics = Metrics::new(&["log"]);
+    let observer = Arc::new(Latencies {
+        inner: metrics,
+        seconds: Default::default(),
+    });
+    let sink = Arc::new(LogSink::new(Topics::only(["demo.*"])));
+    let engine = Engine::builder(&url)
+        .store(store)
+        .sink_arc(sink)
+        .config(settings.engine.clone())
+        .observer(observer.clone())
+        .build()
+        .await?;
+    let counters = engine.counters();
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn(engine.run(shutdown.clone()));
+
+    let started = Instant::now();
+    let writers: Vec<_> = (0..4)
+        .map(|w| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let mut conn = AsyncPgConnection::establish(&url).await?;
+                for i in (w..orders).step_by(4) {
+                    let customer = format!("customer-{}", i % 97);
+                    let total = 500 + (i as i64 * 37) % 20_000;
+                    conn.transaction(async |c| {
+                        use diesel::sql_types::{BigInt, Text};
+                        use diesel_async::RunQueryDsl;
+                        #[derive(diesel::QueryableByName)]
+                        struct Id {
+                            #[diesel(sql_type = BigInt)]
+                            id: i64,
+                        }
+                        let order: Id = diesel::sql_query("INSERT INTO demo_orders (customer, total_cents) VALUES ($1, $2) RETURNING id")
+                            .bind::<Text, _>(&customer)
+                            .bind::<BigInt, _>(total)
+                            .get_result(c)
+                            .await?;
+                        let msg = Message::new("demo.order.created")
+                            .key(&customer)
+                            .ordered()
+                            .header("source", "postbox demo")
+                            .payload(&serde_json::json!({"order_id": order.id, "customer": customer, "total_cents": total}));
+                        crate::enqueue_async(c, &msg).await?;
+                        Ok::<_, Error>(())
+                    })
+                    .await?;
+                }
+                Ok::<_, anyhow::Error>(())
+            })
+        })
+        .collect();
+    for w in writers {
+        w.await.map_err(|e| anyhow::anyhow!("writer: {e}"))??;
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while counters.snapshot().delivered < orders as u64 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    shutdown.cancel();
+    let report = relay.await.map_err(|e| anyhow::anyhow!("relay: {e}"))??;
+    let mut lat = observer.seconds.lock().expect("latency lock").clone();
+    lat.sort_by(f64::total_cmp);
+    let pct = |p: f64| {
+        lat.get(((lat.len() as f64 - 1.0) * p).round() as usize)
+            .copied()
+            .unwrap_or(f64::NAN)
+            * 1000.0
+    };
+    Ok(DemoSummary {
+        orders,
+        messages: report.delivered,
+        seconds,
+        p50_ms: pct(0.5),
+        p99_ms: pct(0.99),
+    })
+}

@@ -1,0 +1,492 @@
+//! The `postbox` command line as a contract: exit codes, configuration errors that name the field,
+//! redaction, the commands against a real database, metrics and health over HTTP, signals.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::TestDb;
+use postbox::Message;
+
+const BIN: &str = env!("CARGO_BIN_EXE_postbox");
+
+fn postbox(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .env_remove("POSTBOX_DATABASE_URL")
+        .env("POSTBOX_LOG", "info")
+        .output()
+        .expect("run postbox")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn file(contents: &str) -> tempfile_path::Path {
+    tempfile_path::Path::new(contents)
+}
+
+/// A file in the temp dir, removed on drop (no extra crate needed).
+mod tempfile_path {
+    pub struct Path(pub std::path::PathBuf);
+    impl Path {
+        pub fn new(contents: &str) -> Self {
+            let p = std::env::temp_dir().join(format!(
+                "postbox-test-{}-{}.toml",
+                std::process::id(),
+                fastrand::u64(..)
+            ));
+            std::fs::write(&p, contents).unwrap();
+            Path(p)
+        }
+        pub fn as_str(&self) -> &str {
+            self.0.to_str().unwrap()
+        }
+    }
+    impl Drop for Path {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+}
+
+const CONTRACT: &str = r#"
+database_url = "postgres://postgres@localhost/postbox"
+
+[relay]
+batch_size = 500
+concurrency = 64
+lease = "30s"
+poll_interval = "5s"
+shutdown_deadline = "25s"
+
+[metrics]
+listen = "0.0.0.0:9464"
+
+[sinks.kafka]
+brokers = "localhost:9092"
+properties = { "compression.type" = "lz4" }   # any librdkafka property
+
+[[routes]]
+topics = ["orders.*"]
+sink = "kafka"
+kafka_topic = "orders"                        # optional rename
+
+[[routes]]
+topics = ["*"]
+sink = "log"
+"#;
+
+#[test]
+fn config_check_accepts_the_contract_file_and_redacts_secrets() {
+    let f = file(&CONTRACT.replace("postgres@localhost", "postgres:hunter2@localhost").replace(
+        r#"properties = { "compression.type" = "lz4" }"#,
+        r#"properties = { "compression.type" = "lz4", "sasl.password" = "s3cret", "sasl.username" = "relay" }"#,
+    ));
+    let out = postbox(&["--config", f.as_str(), "config", "check"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let printed = text(&out.stdout);
+    assert!(
+        !printed.contains("hunter2") && !printed.contains("s3cret"),
+        "{printed}"
+    );
+    assert!(
+        printed.contains("<redacted>")
+            && printed.contains("relay")
+            && printed.contains("batch_size = 500"),
+        "{printed}"
+    );
+    // What it prints is a valid configuration again.
+    let again = file(&printed);
+    assert_eq!(
+        postbox(&["--config", again.as_str(), "config", "check"])
+            .status
+            .code(),
+        Some(0)
+    );
+}
+
+#[test]
+fn invalid_configuration_exits_2_naming_the_field() {
+    for (toml, field) in [
+        ("[relay]\nbatchsize = 5\n", "relay.batchsize"),
+        ("[relay]\nbatch_size = 0\n", "relay.batch_size"),
+        ("[relay]\nlease = \"soon\"\n", "relay.lease"),
+        ("[metrics]\nlisten = \"everywhere\"\n", "metrics.listen"),
+        (
+            "[[routes]]\ntopics = [\"*\"]\nsink = \"carrier-pigeon\"\n",
+            "routes[0].sink",
+        ),
+        ("surprise = 1\n", "surprise"),
+    ] {
+        let f = file(toml);
+        let out = postbox(&["--config", f.as_str(), "config", "check"]);
+        assert_eq!(out.status.code(), Some(2), "{toml}");
+        assert!(
+            text(&out.stderr).contains(field),
+            "{toml}: {}",
+            text(&out.stderr)
+        );
+    }
+    let out = Command::new(BIN)
+        .args(["config", "check"])
+        .env("POSTBOX_BATCH_SIZE", "many")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("POSTBOX_BATCH_SIZE"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = postbox(&["--config", "/nonexistent/postbox.toml", "config", "check"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn bad_usage_exits_2() {
+    let out = postbox(&["enqueue", "--topic", "t", "--payload", "{not json"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("--payload"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(postbox(&["frobnicate"]).status.code(), Some(2));
+    let out = postbox(&["dead", "replay"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("--id"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn migrate_creates_the_database_then_the_commands_work_on_it() {
+    let db = TestDb::empty();
+    // A database that does not exist yet: migrate creates it.
+    let url = format!("{}_new", db.url);
+    let name = format!("{}_new", db.name);
+    struct Drop_(String);
+    impl Drop for Drop_ {
+        fn drop(&mut self) {
+            let _ = Command::new("psql")
+                .args([
+                    &format!("{}/postgres", common::server_url()),
+                    "-qc",
+                    &format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.0),
+                ])
+                .output();
+        }
+    }
+    let _cleanup = Drop_(name);
+    let out = postbox(&["--database-url", &url, "migrate"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let out = postbox(&["--database-url", &url, "migrate"]);
+    assert!(
+        text(&out.stderr).contains("up to date"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let out = postbox(&[
+        "--database-url",
+        &url,
+        "enqueue",
+        "--topic",
+        "orders.created",
+        "--payload",
+        r#"{"id": 7}"#,
+        "--key",
+        "c1",
+        "--ordered",
+        "--header",
+        "trace=abc",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let id: i64 = text(&out.stdout).trim().parse().unwrap();
+    let out = postbox(&[
+        "--database-url",
+        &url,
+        "enqueue",
+        "--topic",
+        "later",
+        "--payload",
+        "1",
+        "--delay",
+        "1h",
+    ]);
+    assert_eq!(out.status.code(), Some(0));
+
+    let out = postbox(&["--database-url", &url, "status", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let topics = status["topics"].as_array().unwrap();
+    assert!(
+        topics
+            .iter()
+            .any(|t| t["topic"] == "orders.created" && t["available"] == 1)
+    );
+    assert!(
+        topics
+            .iter()
+            .any(|t| t["topic"] == "later" && t["scheduled"] == 1)
+    );
+
+    // run --drain: every claimable message once on stdout as a JSON line, logs on stderr only.
+    let out = postbox(&["--database-url", &url, "run", "--drain"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let lines: Vec<serde_json::Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("stdout carries only JSON lines"))
+        .collect();
+    assert_eq!(lines.len(), 1);
+    assert_eq!(
+        lines[0],
+        serde_json::json!({"id": id, "topic": "orders.created", "key": "c1", "headers": {"trace": "abc"}, "payload": {"id": 7}})
+    );
+    assert!(text(&out.stderr).contains("relay stopped"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letter_commands_list_replay_and_purge() {
+    let db = TestDb::migrated();
+    let ids: Vec<i64> = postbox::enqueue_many(
+        &mut db.conn(),
+        &[Message::new("a"), Message::new("a"), Message::new("b")],
+    )
+    .unwrap()
+    .iter()
+    .map(|e| e.id().unwrap())
+    .collect();
+    let store = db.store().await;
+    let claimed = store
+        .claim(10, Duration::from_secs(30), &postbox::Topics::all())
+        .await
+        .unwrap();
+    let dead: Vec<_> = claimed
+        .iter()
+        .map(|m| postbox::store::Dead {
+            lease: m.lease(),
+            reason: "broken".into(),
+        })
+        .collect();
+    store.dead_letter(&dead).await.unwrap();
+
+    let out = postbox(&[
+        "--database-url",
+        &db.url,
+        "dead",
+        "list",
+        "--topic",
+        "a",
+        "--json",
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let listed: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(listed.len(), 2);
+    assert!(listed.iter().all(|d| d["reason"] == "broken"));
+
+    let out = postbox(&[
+        "--database-url",
+        &db.url,
+        "dead",
+        "replay",
+        "--id",
+        &ids[0].to_string(),
+    ]);
+    assert_eq!(
+        (out.status.code(), text(&out.stdout).trim()),
+        (Some(0), "replayed 1")
+    );
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) AS v FROM postbox.messages WHERE id = {}",
+            ids[0]
+        )),
+        1
+    );
+    let out = postbox(&[
+        "--database-url",
+        &db.url,
+        "dead",
+        "purge",
+        "--older-than",
+        "1h",
+    ]);
+    assert_eq!(text(&out.stdout).trim(), "purged 0");
+    let out = postbox(&["--database-url", &db.url, "dead", "purge", "--all"]);
+    assert_eq!(text(&out.stdout).trim(), "purged 2");
+    let out = postbox(&["--database-url", &db.url, "status"]);
+    assert!(
+        text(&out.stdout).contains("dead letters: 0"),
+        "{}",
+        text(&out.stdout)
+    );
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    let code = buf.split_whitespace().nth(1)?.parse().ok()?;
+    let body = buf
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Some((code, body))
+}
+
+fn spawn_relay(url: &str, port: u16) -> Child {
+    Command::new(BIN)
+        .args(["--database-url", url, "run"])
+        .env("POSTBOX_METRICS_LISTEN", format!("127.0.0.1:{port}"))
+        .env("POSTBOX_POLL_INTERVAL", "200ms")
+        .env("POSTBOX_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn wait_for(deadline: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + deadline;
+    while Instant::now() < end {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+fn terminate(child: &mut Child) -> std::process::ExitStatus {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(Instant::now() < end, "relay did not stop on SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn metrics_and_health_are_served_and_pass_promtool() {
+    let db = TestDb::migrated();
+    postbox::enqueue_many(
+        &mut db.conn(),
+        &[
+            Message::new("m.one").key("k").ordered(),
+            Message::new("m.two"),
+        ],
+    )
+    .unwrap();
+    let port = free_port();
+    let mut relay = spawn_relay(&db.url, port);
+    assert!(
+        wait_for(Duration::from_secs(20), || get(port, "/readyz")
+            .is_some_and(|(c, _)| c == 200)),
+        "never ready"
+    );
+    assert_eq!(get(port, "/healthz").unwrap().0, 200);
+    assert!(wait_for(Duration::from_secs(20), || get(port, "/metrics")
+        .is_some_and(|(_, b)| b.contains(
+            r#"postbox_messages_delivered_total{sink="log",topic="m.two"} 1"#
+        ))));
+    let (_, body) = get(port, "/metrics").unwrap();
+    for name in [
+        "postbox_messages_delivered_total",
+        "postbox_delivery_duration_seconds_bucket",
+        "postbox_end_to_end_latency_seconds_bucket",
+        "postbox_claim_batch_size_bucket",
+        "postbox_table_dead_tuples",
+        "postbox_table_live_tuples",
+        "postbox_oldest_transaction_age_seconds",
+        "postbox_sink_up",
+        "postbox_database_up 1",
+        "postbox_notifier_connected 1",
+        "postbox_build_info",
+    ] {
+        assert!(body.contains(name), "{name} missing:\n{body}");
+    }
+    assert!(!body.contains("id=\""), "a message id became a label");
+    // promtool (Debian package `prometheus`; .ci/run installs it) lints the exposition.
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool is installed (apt-get install --no-install-recommends prometheus)");
+    promtool
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    let lint = promtool.wait_with_output().unwrap();
+    assert!(
+        lint.status.success(),
+        "promtool: {}{}",
+        text(&lint.stdout),
+        text(&lint.stderr)
+    );
+    assert!(terminate(&mut relay).success());
+    // Stopped by SIGTERM, it handed nothing back because nothing was running: stdout has both messages.
+    let mut out = String::new();
+    relay
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    assert_eq!(out.lines().count(), 2, "{out}");
+}
+
+#[test]
+fn an_unreachable_database_is_retried_not_crash_looped_and_sigterm_exits_cleanly() {
+    let port = free_port();
+    let dead_port = free_port();
+    let mut relay = spawn_relay(
+        &format!("postgres://postgres@127.0.0.1:{dead_port}/nothing"),
+        port,
+    );
+    // Alive, not ready, retrying.
+    assert!(wait_for(Duration::from_secs(20), || get(port, "/healthz")
+        .is_some_and(|(c, _)| c == 200)));
+    assert_eq!(get(port, "/readyz").unwrap().0, 503);
+    std::thread::sleep(Duration::from_millis(800));
+    assert!(
+        relay.try_wait().unwrap().is_none(),
+        "the relay exited instead of retrying"
+    );
+    let status = terminate(&mut relay);
+    let mut err = String::new();
+    relay
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(status.success(), "{err}");
+    assert!(err.matches("database unreachable").count() >= 2, "{err}");
+}
