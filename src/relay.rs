@@ -131,13 +131,34 @@ pub async fn connect(settings: &Settings, stop: &CancellationToken) -> Result<St
 /// The sink the routes describe.
 pub fn build_sink(settings: &Settings) -> Result<Arc<dyn Sink>> {
     let mut routes = Vec::new();
+    #[cfg(feature = "kafka")]
+    let mut producer = None;
     for (i, r) in settings.routes.iter().enumerate() {
         let topics = Topics::only(&r.topics);
         let sink: Arc<dyn Sink> = match r.sink.as_str() {
             "log" => Arc::new(LogSink::new(topics.clone())),
+            #[cfg(feature = "kafka")]
+            "kafka" => {
+                let kafka = settings.kafka.as_ref().ok_or_else(|| {
+                    RelayError::Usage(format!("routes[{i}].sink: [sinks.kafka] is not configured"))
+                })?;
+                if producer.is_none() {
+                    producer = Some(
+                        crate::sink::kafka::producer(&kafka.brokers, &kafka.properties)
+                            .map_err(RelayError::Usage)?,
+                    );
+                }
+                let p = producer.clone().expect("created above");
+                Arc::new(crate::sink::kafka::KafkaSink::new(
+                    p,
+                    topics.clone(),
+                    r.kafka_topic.clone(),
+                ))
+            }
+            #[cfg(not(feature = "kafka"))]
             "kafka" => {
                 return Err(RelayError::Usage(format!(
-                    "routes[{i}].sink: the kafka sink is not part of this build yet (use sink = \"log\")"
+                    "routes[{i}].sink: this build has no kafka sink (feature `kafka`)"
                 )));
             }
             other => {

@@ -1,6 +1,8 @@
 //! Sinks: where claimed messages go. The engine claims, a sink delivers, the engine settles.
 
 pub mod handlers;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 pub mod log;
 pub mod router;
 

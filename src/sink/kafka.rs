@@ -1,0 +1,306 @@
+//! The Kafka sink: a whole batch is handed to librdkafka, its delivery reports awaited, and each
+//! message's outcome classified.
+//!
+//! Message key = postbox key; value = the payload's JSON; headers = the postbox headers plus
+//! `postbox-id`, `postbox-topic` and `postbox-created-at`. Producer defaults: idempotence on,
+//! `acks=all`, `message.timeout.ms=10000` (an outage is noticed in seconds, well inside the lease);
+//! every librdkafka property can be set from the configuration.
+//!
+//! Outcomes: delivered; a permanent per-message error (message too large, invalid or unknown
+//! topic, not authorized) → dead letter with the broker's reason; a broker or transport outage
+//! (every message of the batch failed with a transport error or timed out) → the sink is
+//! unavailable, the batch is handed back without using attempts; anything else → retry.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use futures_util::future::{BoxFuture, join_all};
+use rdkafka::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+
+use super::{Outcome, Sink, Unavailable};
+use crate::store::{ClaimedMessage, Topics};
+
+/// Properties the sink sets unless the configuration says otherwise.
+pub const PRODUCER_DEFAULTS: [(&str, &str); 4] = [
+    ("enable.idempotence", "true"),
+    ("acks", "all"),
+    ("message.timeout.ms", "10000"),
+    ("linger.ms", "5"),
+];
+
+/// One producer, shared by every Kafka route, made anew if librdkafka reports it fatally broken
+/// (an idempotent producer can be fenced after an outage; it never recovers by itself).
+pub struct SharedProducer {
+    config: ClientConfig,
+    current: std::sync::Mutex<Arc<FutureProducer>>,
+}
+
+impl SharedProducer {
+    fn get(&self) -> Result<Arc<FutureProducer>, Unavailable> {
+        let mut p = self.current.lock().expect("producer lock");
+        if let Some((code, reason)) = p.client().fatal_error() {
+            tracing::warn!(
+                ?code,
+                reason,
+                "kafka producer failed fatally; creating a new one"
+            );
+            *p = self.create()?;
+        }
+        Ok(p.clone())
+    }
+
+    fn create(&self) -> Result<Arc<FutureProducer>, Unavailable> {
+        self.config
+            .create::<FutureProducer>()
+            .map(Arc::new)
+            .map_err(|e| Unavailable(format!("kafka: cannot create the producer: {e}")))
+    }
+
+    /// Replaces `failed` (if it is still the current producer) by a new one with a new producer id.
+    fn replace(&self, failed: &Arc<FutureProducer>) {
+        let mut p = self.current.lock().expect("producer lock");
+        if Arc::ptr_eq(&p, failed) {
+            match self.create() {
+                Ok(new) => {
+                    tracing::warn!(
+                        "kafka producer lost its idempotence state (fenced); created a new one"
+                    );
+                    *p = new;
+                }
+                Err(e) => tracing::warn!(error = %e.0, "kafka producer could not be replaced"),
+            }
+        }
+    }
+}
+
+/// Errors that mean the producer's idempotence state is gone: only a new producer id helps.
+fn producer_state_lost(e: &KafkaError) -> bool {
+    use RDKafkaErrorCode::*;
+    matches!(
+        e,
+        KafkaError::MessageProduction(
+            ProducerFenced
+                | InvalidProducerEpoch
+                | UnknownProducerId
+                | OutOfOrderSequenceNumber
+                | Fatal
+        )
+    )
+}
+
+/// One producer for `brokers` with the defaults above, overridden by `properties`.
+pub fn producer(
+    brokers: &str,
+    properties: &BTreeMap<String, String>,
+) -> Result<Arc<SharedProducer>, String> {
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", brokers);
+    for (k, v) in PRODUCER_DEFAULTS {
+        config.set(k, v);
+    }
+    for (k, v) in properties {
+        config.set(k, v);
+    }
+    let first = config
+        .create::<FutureProducer>()
+        .map_err(|e| format!("sinks.kafka: cannot create the producer: {e}"))?;
+    Ok(Arc::new(SharedProducer {
+        config,
+        current: std::sync::Mutex::new(Arc::new(first)),
+    }))
+}
+
+/// Sends the messages of one route to Kafka.
+pub struct KafkaSink {
+    producer: Arc<SharedProducer>,
+    topics: Topics,
+    /// Send to this Kafka topic instead of the postbox topic.
+    rename: Option<String>,
+}
+
+impl KafkaSink {
+    /// A sink for `topics` over `producer`, optionally renaming the Kafka topic.
+    pub fn new(producer: Arc<SharedProducer>, topics: Topics, rename: Option<String>) -> Self {
+        KafkaSink {
+            producer,
+            topics,
+            rename,
+        }
+    }
+
+    /// Waits for messages still queued in the producer (shutdown).
+    pub fn flush(&self, timeout: Duration) {
+        if let Ok(p) = self.producer.get() {
+            let _ = p.flush(timeout);
+        }
+    }
+}
+
+/// What a failed delivery means for its message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Failure {
+    /// The broker or the network is away.
+    Outage,
+    /// This message can never be delivered as it is.
+    Permanent,
+    /// Worth another attempt.
+    Transient,
+}
+
+fn classify(e: &KafkaError) -> Failure {
+    use RDKafkaErrorCode::*;
+    let code = match e {
+        KafkaError::MessageProduction(c) => *c,
+        _ => return Failure::Transient,
+    };
+    match code {
+        MessageSizeTooLarge
+        | InvalidMessageSize
+        | InvalidTopic
+        | UnknownTopic
+        | UnknownTopicOrPartition
+        | TopicAuthorizationFailed
+        | InvalidRecord
+        | InvalidMessage
+        | BadMessage => Failure::Permanent,
+        // The broker or the link is away, or the producer's idempotence state was lost with it.
+        BrokerTransportFailure
+        | AllBrokersDown
+        | Resolve
+        | MessageTimedOut
+        | TimedOutQueue
+        | NetworkException
+        | ProducerFenced
+        | InvalidProducerEpoch
+        | OutOfOrderSequenceNumber
+        | UnknownProducerId
+        | Fatal
+        | PurgeInflight
+        | PurgeQueue => Failure::Outage,
+        _ => Failure::Transient,
+    }
+}
+
+fn headers(m: &ClaimedMessage) -> OwnedHeaders {
+    let id = m.id.to_string();
+    let created = m.created_at.to_rfc3339();
+    let mut h = OwnedHeaders::new_with_capacity(m.headers.len() + 3);
+    for (k, v) in &m.headers {
+        h = h.insert(Header {
+            key: k,
+            value: Some(v.as_bytes()),
+        });
+    }
+    h.insert(Header {
+        key: "postbox-id",
+        value: Some(id.as_bytes()),
+    })
+    .insert(Header {
+        key: "postbox-topic",
+        value: Some(m.topic.as_bytes()),
+    })
+    .insert(Header {
+        key: "postbox-created-at",
+        value: Some(created.as_bytes()),
+    })
+}
+
+impl Sink for KafkaSink {
+    fn name(&self) -> &str {
+        "kafka"
+    }
+
+    fn topics(&self) -> Topics {
+        self.topics.clone()
+    }
+
+    fn max_batch(&self) -> usize {
+        usize::MAX
+    }
+
+    fn deliver(
+        &self,
+        batch: Vec<ClaimedMessage>,
+    ) -> BoxFuture<'_, Result<Vec<Outcome>, Unavailable>> {
+        async move {
+            let producer = self.producer.get()?;
+            // Hand the whole batch to librdkafka first, then await every report together.
+            let mut pending = Vec::with_capacity(batch.len());
+            for m in &batch {
+                let payload = serde_json::to_vec(&m.payload).expect("a JSON value serializes");
+                let topic = self.rename.as_deref().unwrap_or(&m.topic);
+                let mut record = FutureRecord::to(topic)
+                    .payload(&payload)
+                    .headers(headers(m));
+                if let Some(k) = &m.key {
+                    record = record.key(k.as_str());
+                }
+                let mut record = record;
+                let future = loop {
+                    match producer.send_result(record) {
+                        Ok(f) => break Ok(f),
+                        // The local queue is full: let librdkafka send, then try again.
+                        Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                            record = r;
+                            tokio::time::sleep(Duration::from_millis(5)).await;
+                        }
+                        Err((e, _)) => break Err(e),
+                    }
+                };
+                pending.push(future);
+            }
+            let reports = join_all(pending.into_iter().map(|f| async move {
+                match f {
+                    Ok(delivery) => match delivery.await {
+                        Ok(Ok(_)) => Ok(()),
+                        Ok(Err((e, _))) => Err(e),
+                        Err(_) => Err(KafkaError::Canceled),
+                    },
+                    Err(e) => Err(e),
+                }
+            }))
+            .await;
+            if reports
+                .iter()
+                .any(|r| r.as_ref().is_err_and(producer_state_lost))
+            {
+                self.producer.replace(&producer);
+            }
+            let failures: Vec<Failure> = reports
+                .iter()
+                .filter_map(|r| r.as_ref().err().map(classify))
+                .collect();
+            if !failures.is_empty()
+                && failures.len() == reports.len()
+                && failures.iter().all(|f| *f == Failure::Outage)
+            {
+                let e = reports
+                    .iter()
+                    .find_map(|r| r.as_ref().err())
+                    .expect("at least one failure");
+                return Err(Unavailable(format!("kafka: {e}")));
+            }
+            Ok(reports
+                .into_iter()
+                .map(|r| match r {
+                    Ok(()) => Outcome::Delivered,
+                    Err(e) => match classify(&e) {
+                        Failure::Permanent => Outcome::Dead {
+                            reason: format!("kafka: {e}"),
+                        },
+                        Failure::Outage | Failure::Transient => Outcome::Retry {
+                            reason: format!("kafka: {e}"),
+                            delay: None,
+                        },
+                    },
+                })
+                .collect())
+        }
+        .boxed()
+    }
+}

@@ -1,0 +1,467 @@
+//! The Kafka sink against a real Kafka-protocol broker: tansu with memory storage
+//! (`scripts/ensure-tansu.sh` provides it; `.ci/run` calls it). Topics are created explicitly:
+//! tansu does not auto-create them.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{TestDb, eventually};
+use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
+use postbox::engine::{Engine, EngineConfig, RunReport};
+use postbox::sink::kafka::{KafkaSink, producer};
+use postbox::sink::{Outcome, Sink, Unavailable};
+use postbox::{Backoff, ClaimedMessage, Message, Topics};
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message as _};
+use tokio_util::sync::CancellationToken;
+
+/// A tansu broker on a port of its own, killed on drop.
+struct Broker {
+    child: Child,
+    port: u16,
+}
+
+fn tansu_bin() -> String {
+    if let Ok(b) = std::env::var("POSTBOX_TANSU_BIN") {
+        return b;
+    }
+    let out = Command::new("bash")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/ensure-tansu.sh"
+        ))
+        .stderr(Stdio::null())
+        .output()
+        .expect("run scripts/ensure-tansu.sh");
+    assert!(
+        out.status.success(),
+        "scripts/ensure-tansu.sh failed: no Kafka-protocol broker for the tests"
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+impl Broker {
+    fn start_on(port: u16) -> Broker {
+        let url = format!("tcp://127.0.0.1:{port}");
+        let child = Command::new(tansu_bin())
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+                "--storage-engine",
+                "memory://tansu/",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start tansu");
+        let end = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < end, "tansu did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Broker { child, port }
+    }
+
+    fn start() -> Broker {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        Broker::start_on(port)
+    }
+
+    fn brokers(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([&format!("-{sig}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
+
+    fn stop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    async fn create_topic(&self, name: &str, partitions: i32) {
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", self.brokers())
+            .create()
+            .unwrap();
+        let r = admin
+            .create_topics(
+                &[NewTopic::new(name, partitions, TopicReplication::Fixed(1))],
+                &AdminOptions::new(),
+            )
+            .await
+            .unwrap();
+        for t in r {
+            t.unwrap_or_else(|(t, e)| panic!("create topic {t}: {e}"));
+        }
+    }
+
+    /// Reads `n` messages of `topic` (or what arrived before the deadline).
+    fn consume(&self, topic: &str, n: usize) -> Vec<Consumed> {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.brokers())
+            .set("group.id", format!("test-{}", fastrand::u64(..)))
+            .set("auto.offset.reset", "earliest")
+            .set("session.timeout.ms", "6000")
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap();
+        consumer.subscribe(&[topic]).unwrap();
+        let mut out = Vec::new();
+        let end = Instant::now() + Duration::from_secs(60);
+        while out.len() < n && Instant::now() < end {
+            if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
+                let mut headers = BTreeMap::new();
+                if let Some(h) = m.headers() {
+                    for hd in h.iter() {
+                        headers.insert(
+                            hd.key.to_owned(),
+                            String::from_utf8_lossy(hd.value.unwrap_or_default()).into_owned(),
+                        );
+                    }
+                }
+                out.push(Consumed {
+                    key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+                    payload: serde_json::from_slice(m.payload().unwrap_or_default()).unwrap(),
+                    headers,
+                    partition: m.partition(),
+                    offset: m.offset(),
+                });
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Consumed {
+    key: Option<String>,
+    payload: serde_json::Value,
+    headers: BTreeMap<String, String>,
+    partition: i32,
+    offset: i64,
+}
+
+fn properties(extra: &[(&str, &str)]) -> BTreeMap<String, String> {
+    extra
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// Fails the first attempt of every third message, then delegates: retries, for the order test.
+struct FirstAttemptFails(KafkaSink);
+
+impl Sink for FirstAttemptFails {
+    fn name(&self) -> &str {
+        "kafka"
+    }
+    fn topics(&self) -> Topics {
+        self.0.topics()
+    }
+    fn deliver(
+        &self,
+        batch: Vec<ClaimedMessage>,
+    ) -> BoxFuture<'_, Result<Vec<Outcome>, Unavailable>> {
+        async move {
+            let fail: Vec<bool> = batch
+                .iter()
+                .map(|m| m.attempts == 1 && m.payload["n"].as_i64().unwrap_or(0) % 3 == 0)
+                .collect();
+            let send: Vec<ClaimedMessage> = batch
+                .iter()
+                .zip(&fail)
+                .filter(|(_, f)| !**f)
+                .map(|(m, _)| m.clone())
+                .collect();
+            let mut sent = self.0.deliver(send).await?.into_iter();
+            Ok(fail
+                .iter()
+                .map(|f| {
+                    if *f {
+                        Outcome::Retry {
+                            reason: "injected".into(),
+                            delay: None,
+                        }
+                    } else {
+                        sent.next().unwrap()
+                    }
+                })
+                .collect())
+        }
+        .boxed()
+    }
+}
+
+fn config() -> EngineConfig {
+    EngineConfig {
+        batch_size: 200,
+        concurrency: 4,
+        poll_interval: Duration::from_millis(200),
+        ..Default::default()
+    }
+}
+
+fn fast_backoff() -> Backoff {
+    Backoff {
+        base: Duration::from_millis(20),
+        cap: Duration::from_millis(100),
+        jitter: 0.0,
+    }
+}
+
+fn start(
+    engine: Engine,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<postbox::Result<RunReport>>,
+    Arc<postbox::engine::Counters>,
+) {
+    let stop = CancellationToken::new();
+    let counters = engine.counters();
+    (stop.clone(), tokio::spawn(engine.run(stop)), counters)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_message_reaches_kafka_with_headers_and_ordered_keys_in_order_across_retries_and_two_relays()
+ {
+    let broker = Broker::start();
+    broker.create_topic("orders", 3).await;
+    let db = TestDb::migrated();
+    let mut msgs = Vec::new();
+    for n in 0..40 {
+        for k in 0..6 {
+            msgs.push(
+                Message::new("orders.created")
+                    .key(format!("customer-{k}"))
+                    .ordered()
+                    .header("trace", format!("t{n}"))
+                    .payload(&serde_json::json!({"n": n, "k": k})),
+            );
+        }
+    }
+    let ids = postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
+    let p = producer(&broker.brokers(), &BTreeMap::new()).unwrap();
+    let url = db.url.clone();
+    let relay = |p| {
+        let url = url.clone();
+        async move {
+            let sink = FirstAttemptFails(KafkaSink::new(
+                p,
+                Topics::only(["orders.*"]),
+                Some("orders".into()),
+            ));
+            Engine::builder(&url)
+                .sink(sink)
+                .config(config())
+                .backoff(fast_backoff())
+                .build()
+                .await
+                .unwrap()
+        }
+    };
+    let (s1, t1, c1) = start(relay(p.clone()).await);
+    let (s2, t2, c2) = start(relay(p.clone()).await);
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            c1.snapshot().delivered + c2.snapshot().delivered == 240
+        })
+        .await
+    );
+    s1.cancel();
+    s2.cancel();
+    let (r1, r2) = (t1.await.unwrap().unwrap(), t2.await.unwrap().unwrap());
+    assert!(
+        r1.delivered > 0 && r2.delivered > 0,
+        "one relay did everything: {r1:?} {r2:?}"
+    );
+    assert!(
+        r1.retried + r2.retried >= 60,
+        "the injected failures were retried"
+    );
+
+    let got = broker.consume("orders", 240);
+    assert_eq!(got.len(), 240);
+    let first = ids[0].id().unwrap();
+    let mut by_key: HashMap<String, Vec<&Consumed>> = HashMap::new();
+    for m in &got {
+        by_key.entry(m.key.clone().unwrap()).or_default().push(m);
+        assert_eq!(m.headers["postbox-topic"], "orders.created");
+        assert!(m.headers["postbox-id"].parse::<i64>().unwrap() >= first);
+        assert!(chrono::DateTime::parse_from_rfc3339(&m.headers["postbox-created-at"]).is_ok());
+        assert_eq!(m.headers["trace"], format!("t{}", m.payload["n"]));
+    }
+    for (key, mut seq) in by_key {
+        assert!(
+            seq.windows(2).all(|w| w[0].partition == w[1].partition),
+            "{key} spread over partitions"
+        );
+        seq.sort_by_key(|m| m.offset);
+        let ns: Vec<i64> = seq
+            .iter()
+            .map(|m| m.payload["n"].as_i64().unwrap())
+            .collect();
+        assert_eq!(ns, (0..40).collect::<Vec<_>>(), "{key} out of order");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_can_never_be_delivered_is_dead_lettered_with_the_reason() {
+    let broker = Broker::start();
+    broker.create_topic("known", 1).await;
+    let db = TestDb::migrated();
+    // Larger than the producer's message.max.bytes: permanent, whatever the number of attempts.
+    let big = "x".repeat(5_000);
+    postbox::enqueue_many(
+        &mut db.conn(),
+        &[
+            Message::new("known").payload(&1),
+            Message::new("known").payload(&big),
+        ],
+    )
+    .unwrap();
+    let p = producer(
+        &broker.brokers(),
+        &properties(&[("message.max.bytes", "4096")]),
+    )
+    .unwrap();
+    let engine = Engine::builder(&db.url)
+        .sink(KafkaSink::new(p, Topics::all(), None))
+        .config(config())
+        .build()
+        .await
+        .unwrap();
+    let (stop, task, counters) = start(engine);
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            let s = counters.snapshot();
+            s.delivered == 1 && s.dead_lettered == 1
+        })
+        .await,
+        "{:?}",
+        counters.snapshot()
+    );
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    let store = db.store().await;
+    let dead = store.dead_list(None, 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].payload, serde_json::json!(big));
+    assert!(
+        dead[0].reason.starts_with("kafka:") && dead[0].reason.to_lowercase().contains("too large"),
+        "{}",
+        dead[0].reason
+    );
+    assert_eq!(dead[0].attempts, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_hands_batches_back_without_using_attempts_then_delivers() {
+    let broker = Broker::start();
+    broker.create_topic("events", 1).await;
+    let db = TestDb::migrated();
+    let p = producer(
+        &broker.brokers(),
+        &properties(&[
+            ("message.timeout.ms", "1500"),
+            ("reconnect.backoff.max.ms", "500"),
+        ]),
+    )
+    .unwrap();
+    let engine = Engine::builder(&db.url)
+        .sink(KafkaSink::new(p, Topics::all(), None))
+        .config(EngineConfig {
+            max_unavailable_backoff: Duration::from_millis(500),
+            ..config()
+        })
+        .build()
+        .await
+        .unwrap();
+    let (stop, task, counters) = start(engine);
+    postbox::enqueue(
+        &mut db.conn(),
+        &Message::new("events").payload(&0).max_attempts(1),
+    )
+    .unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            counters.snapshot().delivered == 1
+        })
+        .await
+    );
+
+    // The broker stops answering (SIGSTOP: the process stays, with its state, like a broker behind
+    // a network partition). Memory-storage tansu forgets producer ids when restarted, which a real
+    // broker does not, so this is the outage that keeps the production defaults (idempotence) true.
+    broker.signal("STOP");
+    let msgs: Vec<Message> = (1..=5)
+        .map(|i| Message::new("events").payload(&i).max_attempts(1))
+        .collect();
+    postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            counters.snapshot().released >= 5
+        })
+        .await,
+        "{:?}",
+        counters.snapshot()
+    );
+    // One attempt each and none used: a retry would have dead-lettered them.
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE attempts = 0 OR locked_until IS NOT NULL"), 5);
+
+    broker.signal("CONT");
+    let delivered = eventually(Duration::from_secs(60), || async {
+        counters.snapshot().delivered == 6
+    })
+    .await;
+    let store = db.store().await;
+    assert!(
+        delivered,
+        "{:?} {:?}",
+        counters.snapshot(),
+        store
+            .dead_list(None, 10)
+            .await
+            .unwrap()
+            .iter()
+            .map(|d| d.reason.clone())
+            .collect::<Vec<_>>()
+    );
+    stop.cancel();
+    let report = task.await.unwrap().unwrap();
+    assert_eq!((report.retried, report.dead_lettered), (0, 0));
+    // Every message is in Kafka (at least once: a batch that timed out may have been written too).
+    let got = broker.consume("events", 6);
+    let ns: std::collections::BTreeSet<i64> =
+        got.iter().map(|m| m.payload.as_i64().unwrap()).collect();
+    assert_eq!(ns, (0..=5).collect());
+}
