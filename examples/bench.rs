@@ -33,6 +33,8 @@ struct Args {
     only: Option<String>,
     /// Claim loops of the draining engine (default: the engine's default).
     claimers: Option<usize>,
+    /// Kafka bootstrap servers for `--only kafka` (a topic `bench` is created there).
+    kafka: Option<String>,
 }
 
 fn args() -> Args {
@@ -41,6 +43,7 @@ fn args() -> Args {
         url: "postgres://postgres@localhost/postbox_bench".into(),
         only: None,
         claimers: None,
+        kafka: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -53,9 +56,10 @@ fn args() -> Args {
             }
             "--database-url" => a.url = it.next().expect("--database-url URL"),
             "--only" => a.only = it.next(),
+            "--kafka-brokers" => a.kafka = it.next(),
             "--claimers" => a.claimers = it.next().and_then(|v| v.parse().ok()),
             other => panic!(
-                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx] [--claimers N]"
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka] [--claimers N] [--kafka-brokers HOST:PORT]"
             ),
         }
     }
@@ -276,6 +280,82 @@ async fn writers(url: &str, with_message: bool, secs: u64) -> f64 {
     count.load(Ordering::Relaxed) as f64 / secs as f64
 }
 
+/// Relays `n` messages to Kafka (topic `bench`, 3 partitions) with the engine and the Kafka sink.
+async fn kafka_relay(url: &str, brokers: &str, n: usize) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .unwrap();
+    let _ = admin
+        .create_topics(
+            &[NewTopic::new("bench", 3, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await;
+    let mut conn = AsyncPgConnection::establish(url).await.unwrap();
+    let mut left = n;
+    let mut i = 0;
+    while left > 0 {
+        let k = left.min(1000);
+        let msgs: Vec<Message> = (0..k)
+            .map(|j| {
+                Message::new("bench")
+                    .key(format!("k{}", (i + j) % 100))
+                    .payload(&serde_json::json!({"n": i + j, "body": "x".repeat(200)}))
+            })
+            .collect();
+        postbox::enqueue_many_async(&mut conn, &msgs).await.unwrap();
+        left -= k;
+        i += k;
+    }
+    conn.batch_execute("ANALYZE postbox.messages")
+        .await
+        .unwrap();
+    for batch in [500usize, 1000] {
+        let producer = postbox::sink::kafka::producer(brokers, &Default::default()).unwrap();
+        let sink = postbox::sink::kafka::KafkaSink::new(producer, postbox::Topics::all(), None);
+        let engine = Engine::builder(url)
+            .sink(sink)
+            .config(EngineConfig {
+                batch_size: batch,
+                concurrency: 4,
+                drain: true,
+                ..Default::default()
+            })
+            .build()
+            .await
+            .unwrap();
+        let t = Instant::now();
+        let report = engine.run(CancellationToken::new()).await.unwrap();
+        let secs = t.elapsed().as_secs_f64();
+        println!(
+            "kafka: {} messages (~230-byte JSON, 100 keys, 3 partitions) relayed with batch {batch}, 4 batches in flight: {:.0} msg/s",
+            report.delivered,
+            report.delivered as f64 / secs
+        );
+        if batch == 500 {
+            // Refill for the second run.
+            let mut left = n;
+            while left > 0 {
+                let k = left.min(1000);
+                let msgs: Vec<Message> = (0..k)
+                    .map(|j| {
+                        Message::new("bench")
+                            .key(format!("k{}", j % 100))
+                            .payload(&serde_json::json!({"n": j, "body": "x".repeat(200)}))
+                    })
+                    .collect();
+                postbox::enqueue_many_async(&mut conn, &msgs).await.unwrap();
+                left -= k;
+            }
+            conn.batch_execute("ANALYZE postbox.messages")
+                .await
+                .unwrap();
+        }
+    }
+}
+
 /// Counts every notification on channel `postbox` (LISTEN without registering as waiting).
 async fn count_notifications(url: &str, count: Arc<AtomicU64>) -> tokio::task::JoinHandle<()> {
     use futures_util::StreamExt;
@@ -355,6 +435,16 @@ async fn main() {
             "drain: raw SQL loop (claim batch 100 + delete, one connection): {raw_rates:.0?} msg/s"
         );
         println!("drain ratio engine/raw = {:.2}", drain / raw);
+    }
+
+    if a.only.as_deref() == Some("kafka") {
+        let brokers = a
+            .kafka
+            .clone()
+            .expect("--only kafka needs --kafka-brokers HOST:PORT");
+        reset(&a.url);
+        kafka_relay(&a.url, &brokers, n).await;
+        return;
     }
 
     if run("wakeup") {
