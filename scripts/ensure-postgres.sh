@@ -27,4 +27,15 @@ if ! can_login; then
 fi
 
 can_login || { echo "PostgreSQL is not reachable as postgres@127.0.0.1:5432" >&2; exit 1; }
+
+# The TLS tests need ssl = on (Debian's default cluster has it, with a certificate for localhost).
+if [ "$(psql -h 127.0.0.1 -U postgres -d postgres -Atqc 'show ssl')" != "on" ]; then
+  if [ ! -f /etc/ssl/private/ssl-cert-snakeoil.key ]; then
+    command -v make-ssl-cert >/dev/null 2>&1 || { apt-get update -qq; DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ssl-cert >/dev/null; }
+    make-ssl-cert generate-default-snakeoil --force-overwrite
+  fi
+  psql -h 127.0.0.1 -U postgres -d postgres -qc "ALTER SYSTEM SET ssl_cert_file = '/etc/ssl/certs/ssl-cert-snakeoil.pem'" \
+    -c "ALTER SYSTEM SET ssl_key_file = '/etc/ssl/private/ssl-cert-snakeoil.key'" -c "ALTER SYSTEM SET ssl = on"
+  pg_ctlcluster --skip-systemctl-redirect "$version" main reload
+fi
 psql -h 127.0.0.1 -U postgres -d postgres -Atqc 'select version()'

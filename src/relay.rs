@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, SimpleAsyncConnection};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Settings, redact_url};
@@ -71,14 +71,14 @@ fn admin_url(url: &str) -> Option<(String, String)> {
 /// Creates the database if it does not exist, then runs the pending migrations.
 pub async fn migrate(settings: &Settings) -> Result<Vec<String>> {
     let url = &settings.database_url;
-    if AsyncPgConnection::establish(url).await.is_err() {
+    if crate::store::connect::open(url).await.is_err() {
         let (admin, name) = admin_url(url).ok_or_else(|| {
             RelayError::Usage(format!(
                 "database_url: {} names no database",
                 redact_url(url)
             ))
         })?;
-        let mut conn = AsyncPgConnection::establish(&admin)
+        let mut conn = crate::store::connect::open(&admin)
             .await
             .map_err(|e| anyhow::anyhow!("cannot reach the server of {}: {e}", redact_url(url)))?;
         let quoted = format!("\"{}\"", name.replace('"', "\"\""));
@@ -93,7 +93,7 @@ pub async fn migrate(settings: &Settings) -> Result<Vec<String>> {
         }
         tracing::info!(database = %name, "created database");
     }
-    let mut conn = AsyncPgConnection::establish(url)
+    let mut conn = crate::store::connect::open(url)
         .await
         .map_err(|e| anyhow::anyhow!("connect to {}: {e}", redact_url(url)))?;
     Ok(crate::migrate_async(&mut conn).await?)
@@ -181,7 +181,10 @@ pub async fn run(
     hard_stop: CancellationToken,
 ) -> Result<RunReport> {
     let sink = build_sink(&settings)?;
-    let metrics = Metrics::new(&[sink.name()]);
+    let mut names: Vec<&str> = settings.routes.iter().map(|r| r.sink.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    let metrics = Metrics::new(&names);
     let server = serve_metrics(settings.metrics_listen, metrics.clone(), shutdown.clone()).await?;
     let store = match connect(&settings, &shutdown).await {
         Ok(s) => s,
@@ -287,7 +290,7 @@ pub async fn serve_metrics(
 pub async fn enqueue(settings: &Settings, msg: Message) -> Result<crate::Enqueued> {
     msg.validate()
         .map_err(|e| RelayError::Usage(e.to_string()))?;
-    let mut conn = AsyncPgConnection::establish(&settings.database_url)
+    let mut conn = crate::store::connect::open(&settings.database_url)
         .await
         .map_err(|e| anyhow::anyhow!("connect to {}: {e}", redact_url(&settings.database_url)))?;
     Ok(crate::enqueue_async(&mut conn, &msg).await?)
@@ -379,7 +382,7 @@ pub async fn demo(settings: Settings, orders: usize) -> Result<DemoSummary> {
     migrate(&settings).await?;
     let url = settings.database_url.clone();
     {
-        let mut conn = AsyncPgConnection::establish(&url)
+        let mut conn = crate::store::connect::open(&url)
             .await
             .map_err(|e| anyhow::anyhow!("connect: {e}"))?;
         conn.batch_execute(
@@ -412,7 +415,7 @@ pub async fn demo(settings: Settings, orders: usize) -> Result<DemoSummary> {
         .map(|w| {
             let url = url.clone();
             tokio::spawn(async move {
-                let mut conn = AsyncPgConnection::establish(&url).await?;
+                let mut conn = crate::store::connect::open(&url).await?;
                 for i in (w..orders).step_by(4) {
                     let customer = format!("customer-{}", i % 97);
                     let total = 500 + (i as i64 * 37) % 20_000;

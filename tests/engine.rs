@@ -638,7 +638,7 @@ impl postbox::sink::Sink for Flaky {
         async move {
             self.calls.fetch_add(1, Ordering::SeqCst);
             if !self.up.load(Ordering::SeqCst) {
-                return Err(postbox::sink::Unavailable("broker down".into()));
+                return Err(postbox::sink::Unavailable::new("broker down"));
             }
             let mut d = self.delivered.lock().unwrap();
             for m in &batch {

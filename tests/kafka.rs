@@ -465,3 +465,105 @@ async fn a_broker_outage_hands_batches_back_without_using_attempts_then_delivers
         got.iter().map(|m| m.payload.as_i64().unwrap()).collect();
     assert_eq!(ns, (0..=5).collect());
 }
+
+fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    let code = buf.split_whitespace().nth(1)?.parse().ok()?;
+    Some((
+        code,
+        buf.split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default(),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_binary_routes_to_kafka_and_reports_an_unreachable_broker() {
+    let db = TestDb::migrated();
+    let dead_broker = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = std::env::temp_dir().join(format!("postbox-kafka-{}.toml", fastrand::u64(..)));
+    std::fs::write(
+        &config,
+        format!(
+            r#"database_url = "{}"
+[relay]
+poll_interval = "200ms"
+[metrics]
+listen = "127.0.0.1:{metrics}"
+sample_interval = "200ms"
+[sinks.kafka]
+brokers = "127.0.0.1:{dead_broker}"
+properties = {{ "message.timeout.ms" = "1000" }}
+[[routes]]
+topics = ["orders.*"]
+sink = "kafka"
+[[routes]]
+topics = ["*"]
+sink = "log"
+"#,
+            db.url
+        ),
+    )
+    .unwrap();
+    let mut relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .args(["--config", config.to_str().unwrap(), "run"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    postbox::enqueue(
+        &mut db.conn(),
+        &Message::new("audit").payload(&"to the log"),
+    )
+    .unwrap();
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
+        })
+        .await
+    );
+    postbox::enqueue(&mut db.conn(), &Message::new("orders.created").payload(&1)).unwrap();
+    let down = eventually(Duration::from_secs(30), || async {
+        http_get(metrics, "/metrics")
+            .is_some_and(|(_, b)| b.contains(r#"postbox_sink_up{sink="kafka"} 0"#))
+    })
+    .await;
+    let (ready, _) = http_get(metrics, "/readyz").unwrap();
+    let (_, body) = http_get(metrics, "/metrics").unwrap();
+    let _ = Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status();
+    let status = relay.wait().unwrap();
+    std::fs::remove_file(&config).unwrap();
+    assert!(down, "{body}");
+    assert_eq!(ready, 503);
+    assert!(body.contains(r#"postbox_sink_up{sink="log"} 1"#), "{body}");
+    assert!(
+        body.contains(r#"postbox_messages_delivered_total{sink="log",topic="audit"} 1"#),
+        "{body}"
+    );
+    assert!(status.success());
+    // The Kafka message is still there, its attempt given back.
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE topic = 'orders.created' AND attempts = 0"), 1);
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut relay.stdout.take().unwrap(), &mut out).unwrap();
+    assert_eq!(out.lines().count(), 1, "{out}");
+}

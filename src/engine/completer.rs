@@ -41,7 +41,7 @@ pub(crate) async fn run(
     mut rx: mpsc::Receiver<Settle>,
     max_batch: usize,
     observer: Arc<dyn Observer>,
-    sink: String,
+    sink: Arc<dyn crate::sink::Sink>,
     unwritten: Arc<AtomicUsize>,
 ) {
     let mut buf = Vec::with_capacity(max_batch);
@@ -54,7 +54,7 @@ pub(crate) async fn run(
             }
         }
         let n = buf.len();
-        flush(&store, &mut buf, &*observer, &sink).await;
+        flush(&store, &mut buf, &*observer, &*sink).await;
         unwritten.fetch_sub(n, Ordering::AcqRel);
     }
 }
@@ -62,7 +62,12 @@ pub(crate) async fn run(
 /// Writes a batch, retrying on database errors (with back-off) until it is written: outcomes are
 /// not dropped. If the database stays away long enough, the leases expire and rescue takes over;
 /// the late write is then fenced and counted.
-async fn flush(store: &Store, buf: &mut Vec<Settle>, observer: &dyn Observer, sink: &str) {
+async fn flush(
+    store: &Store,
+    buf: &mut Vec<Settle>,
+    observer: &dyn Observer,
+    sink: &dyn crate::sink::Sink,
+) {
     let mut complete = Vec::new();
     let mut retry = Vec::new();
     let mut dead = Vec::new();
@@ -125,6 +130,6 @@ async fn flush(store: &Store, buf: &mut Vec<Settle>, observer: &dyn Observer, si
             }
         };
         let age = (now - s.created_at).to_std().unwrap_or_default();
-        observer.settled(&s.topic, sink, what, age);
+        observer.settled(&s.topic, sink.sink_for(&s.topic), what, age);
     }
 }

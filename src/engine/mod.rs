@@ -243,7 +243,7 @@ impl Engine {
             settle_rx,
             self.config.completer_batch,
             observer.clone(),
-            self.sink.name().to_owned(),
+            self.sink.clone(),
             unwritten.clone(),
         ));
         let wake = Arc::new(Notify::new());

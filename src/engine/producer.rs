@@ -58,6 +58,8 @@ impl InFlight {
 /// doubling the pause on every consecutive report.
 pub(crate) struct SinkHealth {
     failures: AtomicU32,
+    /// The (routed-to) sink that went down, to report it up again.
+    down: Mutex<Option<String>>,
     paused_until: Mutex<Option<Instant>>,
     max: Duration,
 }
@@ -66,6 +68,7 @@ impl SinkHealth {
     pub(crate) fn new(max: Duration) -> Self {
         SinkHealth {
             failures: AtomicU32::new(0),
+            down: Mutex::new(None),
             paused_until: Mutex::new(None),
             max,
         }
@@ -75,12 +78,20 @@ impl SinkHealth {
         let pause = (Duration::from_millis(100) * 2u32.saturating_pow(n.min(20))).min(self.max);
         *self.paused_until.lock().expect("health lock") = Some(Instant::now() + pause);
         if n == 0 {
+            *self.down.lock().expect("health lock") = Some(sink.to_owned());
             observer.sink_up(sink, false);
         }
         tracing::warn!(sink, reason, pause = ?pause, "sink unavailable; batch handed back");
     }
     fn up(&self, observer: &dyn Observer, sink: &str) {
         if self.failures.swap(0, Ordering::AcqRel) > 0 {
+            let sink = self
+                .down
+                .lock()
+                .expect("health lock")
+                .take()
+                .unwrap_or_else(|| sink.to_owned());
+            let sink = sink.as_str();
             observer.sink_up(sink, true);
             tracing::info!(sink, "sink available again");
         }
@@ -351,8 +362,8 @@ async fn deliver(
                 })
                 .collect()
         }
-        Ok(Err(Unavailable(reason))) => {
-            health.down(&*observer, sink.name(), &reason);
+        Ok(Err(Unavailable(reason, down))) => {
+            health.down(&*observer, down.as_deref().unwrap_or(sink.name()), &reason);
             (0..n).map(|_| SettleKind::Release).collect()
         }
         Err(panic) => {

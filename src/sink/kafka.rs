@@ -58,7 +58,7 @@ impl SharedProducer {
         self.config
             .create::<FutureProducer>()
             .map(Arc::new)
-            .map_err(|e| Unavailable(format!("kafka: cannot create the producer: {e}")))
+            .map_err(|e| Unavailable::new(format!("kafka: cannot create the producer: {e}")))
     }
 
     /// Replaces `failed` (if it is still the current producer) by a new one with a new producer id.
@@ -283,7 +283,7 @@ impl Sink for KafkaSink {
                     .iter()
                     .find_map(|r| r.as_ref().err())
                     .expect("at least one failure");
-                return Err(Unavailable(format!("kafka: {e}")));
+                return Err(Unavailable::new(format!("kafka: {e}")));
             }
             Ok(reports
                 .into_iter()

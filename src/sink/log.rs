@@ -56,7 +56,7 @@ impl Sink for LogSink {
             let mut out = std::io::stdout().lock();
             out.write_all(text.as_bytes())
                 .and_then(|_| out.flush())
-                .map_err(|e| Unavailable(format!("standard output: {e}")))?;
+                .map_err(|e| Unavailable::new(format!("standard output: {e}")))?;
             Ok(vec![Outcome::Delivered; batch.len()])
         }
         .boxed()

@@ -31,7 +31,20 @@ pub enum Outcome {
 /// without using attempts and backs off before claiming again.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("sink unavailable: {0}")]
-pub struct Unavailable(pub String);
+pub struct Unavailable(pub String, pub Option<String>);
+
+impl Unavailable {
+    /// Unavailable because of `reason`.
+    pub fn new(reason: impl Into<String>) -> Self {
+        Unavailable(reason.into(), None)
+    }
+
+    /// The sink that is down, when the one the engine runs routes to several (metric label).
+    pub fn of_sink(mut self, sink: impl Into<String>) -> Self {
+        self.1.get_or_insert_with(|| sink.into());
+        self
+    }
+}
 
 /// A destination for messages.
 ///
@@ -50,6 +63,11 @@ pub trait Sink: Send + Sync + 'static {
     /// larger values let a sink send a whole batch and await it together (Kafka).
     fn max_batch(&self) -> usize {
         usize::MAX
+    }
+
+    /// The sink that delivers `topic` (metric label): itself, unless it routes to others.
+    fn sink_for(&self, _topic: &str) -> &str {
+        self.name()
     }
 
     /// Delivers `batch`; one outcome per message, same order.

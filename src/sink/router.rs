@@ -61,6 +61,11 @@ impl Sink for Router {
         self.max_batch
     }
 
+    fn sink_for(&self, topic: &str) -> &str {
+        self.route_of(topic)
+            .map_or(self.name(), |r| self.routes[r].sink.sink_for(topic))
+    }
+
     fn deliver(
         &self,
         batch: Vec<ClaimedMessage>,
@@ -91,7 +96,10 @@ impl Sink for Router {
                 .filter(|(_, (idx, _))| !idx.is_empty())
                 .map(|(r, (idx, msgs))| {
                     let sink = self.routes[r].sink.clone();
-                    async move { (idx, sink.deliver(msgs).await) }
+                    async move {
+                        let name = sink.name().to_owned();
+                        (idx, sink.deliver(msgs).await.map_err(|u| u.of_sink(name)))
+                    }
                 });
             for (idx, result) in join_all(calls).await {
                 let outcomes = result?;
