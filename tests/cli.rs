@@ -490,3 +490,69 @@ fn an_unreachable_database_is_retried_not_crash_looped_and_sigterm_exits_cleanly
     assert!(status.success(), "{err}");
     assert!(err.matches("database unreachable").count() >= 2, "{err}");
 }
+
+#[test]
+fn demo_writes_orders_relays_them_and_summarises() {
+    let db = TestDb::empty();
+    let out = postbox(&["--database-url", &db.url, "demo", "--orders", "60"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 61, "{stdout}");
+    for l in &lines[..60] {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert_eq!(v["topic"], "demo.order.created");
+    }
+    assert!(
+        lines[60].starts_with("demo: 60 orders, 60 messages relayed"),
+        "{}",
+        lines[60]
+    );
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM demo_orders"), 60);
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_a_stalled_ordered_key() {
+    let db = TestDb::migrated();
+    postbox::enqueue_many(
+        &mut db.conn(),
+        &[
+            Message::new("acct").key("a-1").ordered(),
+            Message::new("acct").key("a-1").ordered(),
+        ],
+    )
+    .unwrap();
+    let store = db.store().await;
+    let head = store
+        .claim(10, Duration::from_secs(30), &postbox::Topics::all())
+        .await
+        .unwrap()
+        .remove(0);
+    store
+        .retry(&[postbox::store::Retry {
+            lease: head.lease(),
+            error: "ledger locked".into(),
+            delay: Some(Duration::from_secs(600)),
+        }])
+        .await
+        .unwrap();
+    let out = postbox(&["--database-url", &db.url, "status", "--json"]);
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let stalled = &status["stalled_keys"][0];
+    assert_eq!(
+        (
+            stalled["key"].as_str(),
+            stalled["attempts"].as_i64(),
+            stalled["waiting"].as_i64()
+        ),
+        (Some("a-1"), Some(1), Some(1))
+    );
+    assert_eq!(stalled["last_error"], "ledger locked");
+    let out = postbox(&["--database-url", &db.url, "status"]);
+    assert!(
+        text(&out.stdout).contains("acct / a-1: head #"),
+        "{}",
+        text(&out.stdout)
+    );
+}
