@@ -115,6 +115,9 @@ pub struct Overrides {
     pub poll_interval: Option<String>,
     pub shutdown_deadline: Option<String>,
     pub kafka_brokers: Option<String>,
+    /// librdkafka properties from `POSTBOX_KAFKA_PROPERTY_<NAME>`: `SASL_PASSWORD` → `sasl.password`
+    /// (how the Helm chart passes credentials from Secrets).
+    pub kafka_properties: BTreeMap<String, String>,
 }
 
 impl Overrides {
@@ -132,6 +135,12 @@ impl Overrides {
             poll_interval: var("POSTBOX_POLL_INTERVAL"),
             shutdown_deadline: var("POSTBOX_SHUTDOWN_DEADLINE"),
             kafka_brokers: var("POSTBOX_KAFKA_BROKERS"),
+            kafka_properties: std::env::vars()
+                .filter_map(|(k, v)| {
+                    let name = k.strip_prefix("POSTBOX_KAFKA_PROPERTY_")?;
+                    Some((name.to_ascii_lowercase().replace('_', "."), v))
+                })
+                .collect(),
         }
     }
 }
@@ -250,6 +259,15 @@ impl Config {
                 .kafka
                 .get_or_insert_with(Default::default)
                 .brokers = v;
+        }
+        if !env.kafka_properties.is_empty() {
+            let kafka = self.sinks.kafka.as_mut().ok_or_else(|| {
+                err(
+                    "POSTBOX_KAFKA_PROPERTY_*",
+                    "Kafka properties are set but [sinks.kafka] is not configured",
+                )
+            })?;
+            kafka.properties.extend(env.kafka_properties);
         }
         self.settings()
     }
@@ -577,6 +595,18 @@ sink = "log"
             })
             .unwrap_err();
         assert_eq!(e.field, "relay.lease (POSTBOX_LEASE)");
+    }
+
+    #[test]
+    fn kafka_properties_come_from_the_environment_too() {
+        let c = Config::from_toml("[sinks.kafka]\nbrokers = \"b:9092\"\n").unwrap();
+        let env = Overrides {
+            kafka_properties: [("sasl.password".to_owned(), "pw".to_owned())].into(),
+            ..Default::default()
+        };
+        let s = c.resolve(env).unwrap();
+        assert_eq!(s.kafka.as_ref().unwrap().properties["sasl.password"], "pw");
+        assert!(!s.to_redacted_toml().contains("\"pw\""));
     }
 
     #[test]

@@ -1,0 +1,110 @@
+{{/* Chart name, truncated to the 63 characters Kubernetes allows. */}}
+{{- define "postbox.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Fully qualified app name. */}}
+{{- define "postbox.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "postbox.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "postbox.labels" -}}
+helm.sh/chart: {{ include "postbox.chart" . }}
+{{ include "postbox.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "postbox.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "postbox.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "postbox.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "postbox.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "postbox.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The Secret holding DATABASE_URL: the user's, or the chart's. */}}
+{{- define "postbox.databaseSecretName" -}}
+{{- if .Values.database.existingSecret }}
+{{- .Values.database.existingSecret }}
+{{- else }}
+{{- include "postbox.fullname" . }}
+{{- end }}
+{{- end }}
+
+{{- define "postbox.databaseSecretKey" -}}
+{{- if .Values.database.existingSecret }}
+{{- .Values.database.existingSecretKey }}
+{{- else }}
+{{- "DATABASE_URL" }}
+{{- end }}
+{{- end }}
+
+{{/* POSTBOX_KAFKA_PROPERTY_<NAME>: librdkafka property `a.b.c` from env A_B_C. */}}
+{{- define "postbox.kafkaSecretEnv" -}}
+{{- if .Values.config.kafka.enabled }}
+{{- range $prop, $ref := .Values.config.kafka.secretProperties }}
+- name: POSTBOX_KAFKA_PROPERTY_{{ $prop | replace "." "_" | upper }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $ref.secretName }}
+      key: {{ $ref.key }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The relay configuration file (TOML). The database URL comes from the environment. */}}
+{{- define "postbox.config" -}}
+# Rendered by the postbox Helm chart; DATABASE_URL comes from a Secret.
+[relay]
+batch_size = {{ .Values.config.relay.batchSize | int }}
+concurrency = {{ .Values.config.relay.concurrency | int }}
+lease = {{ .Values.config.relay.lease | quote }}
+poll_interval = {{ .Values.config.relay.pollInterval | quote }}
+shutdown_deadline = {{ .Values.config.relay.shutdownDeadline | quote }}
+
+[metrics]
+listen = "0.0.0.0:{{ .Values.config.metrics.port | int }}"
+sample_interval = {{ .Values.config.metrics.sampleInterval | quote }}
+{{- if .Values.config.kafka.enabled }}
+
+[sinks.kafka]
+brokers = {{ .Values.config.kafka.brokers | quote }}
+
+[sinks.kafka.properties]
+{{- range $k, $v := .Values.config.kafka.properties }}
+{{ $k | quote }} = {{ $v | toString | quote }}
+{{- end }}
+{{- end }}
+{{- range .Values.config.routes }}
+
+[[routes]]
+topics = [{{ range $i, $t := .topics }}{{ if $i }}, {{ end }}{{ $t | quote }}{{ end }}]
+sink = {{ .sink | quote }}
+{{- with .kafkaTopic }}
+kafka_topic = {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
