@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{TestDb, eventually};
+use common::{TestDb, eventually, http_get};
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use postbox::engine::{Engine, EngineConfig, RunReport};
@@ -464,26 +464,6 @@ async fn a_broker_outage_hands_batches_back_without_using_attempts_then_delivers
     let ns: std::collections::BTreeSet<i64> =
         got.iter().map(|m| m.payload.as_i64().unwrap()).collect();
     assert_eq!(ns, (0..=5).collect());
-}
-
-fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).ok()?;
-    let code = buf.split_whitespace().nth(1)?.parse().ok()?;
-    Some((
-        code,
-        buf.split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default(),
-    ))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
