@@ -81,16 +81,9 @@ pub async fn migrate(settings: &Settings) -> Result<Vec<String>> {
         let mut conn = crate::store::connect::open(&admin)
             .await
             .map_err(|e| anyhow::anyhow!("cannot reach the server of {}: {e}", redact_url(url)))?;
-        let quoted = format!("\"{}\"", name.replace('"', "\"\""));
-        if let Err(e) = conn
-            .batch_execute(&format!("CREATE DATABASE {quoted}"))
+        crate::store::migrate::create_database(&mut conn, &name)
             .await
-        {
-            // Another process may have created it meanwhile.
-            if !e.to_string().contains("already exists") {
-                return Err(anyhow::anyhow!("create database {quoted}: {e}").into());
-            }
-        }
+            .map_err(|e| anyhow::anyhow!("create database {name}: {e}"))?;
         tracing::info!(database = %name, "created database");
     }
     let mut conn = crate::store::connect::open(url)

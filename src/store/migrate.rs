@@ -44,6 +44,22 @@ pub async fn migrate_async(conn: &mut diesel_async::AsyncPgConnection) -> Result
     applied
 }
 
+/// Creates database `name` (quoted as an identifier) from a connection to another database of the
+/// server; a database that already exists (another process was first) is not an error.
+#[cfg(feature = "async")]
+pub async fn create_database(conn: &mut diesel_async::AsyncPgConnection, name: &str) -> Result<()> {
+    use diesel_async::SimpleAsyncConnection;
+    let quoted = format!("\"{}\"", name.replace('"', "\"\""));
+    match conn
+        .batch_execute(&format!("CREATE DATABASE {quoted}"))
+        .await
+    {
+        Ok(()) => Ok(()),
+        Err(e) if e.to_string().contains("already exists") => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
 #[cfg(feature = "async")]
 async fn run_async(conn: &mut diesel_async::AsyncPgConnection) -> Result<Vec<String>> {
     use diesel::sql_types::Text;
