@@ -716,3 +716,50 @@ async fn an_unavailable_sink_gets_its_batch_back_without_using_attempts_and_the_
         0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_hands_running_messages_back_at_once() {
+    let db = TestDb::migrated();
+    let started = Arc::new(AtomicUsize::new(0));
+    let s = started.clone();
+    let handlers = Handlers::new().on("stuck", move |_job: Job<serde_json::Value>| {
+        let s = s.clone();
+        async move {
+            s.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>().await;
+            Ok(())
+        }
+    });
+    let engine = Engine::builder(&db.url)
+        .handlers(handlers)
+        .shutdown_deadline(Duration::from_secs(600))
+        .build()
+        .await
+        .unwrap();
+    let (shutdown, hard_stop) = (CancellationToken::new(), CancellationToken::new());
+    let task = tokio::spawn(engine.run_until(shutdown.clone(), hard_stop.clone()));
+    postbox::enqueue(&mut db.conn(), &Message::new("stuck")).unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            started.load(Ordering::SeqCst) == 1
+        })
+        .await
+    );
+    shutdown.cancel();
+    // Graceful: still waiting for the handler (the deadline is ten minutes away).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!task.is_finished());
+    hard_stop.cancel();
+    let report = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("hard stop did not stop")
+        .unwrap()
+        .unwrap();
+    assert_eq!(report.released, 1);
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.messages WHERE attempts = 0 AND locked_until IS NULL"
+        ),
+        1
+    );
+}
