@@ -51,7 +51,10 @@ impl Stats {
     }
 }
 
-const STATS: &str = r#"
+/// Depth per topic: shared by `stats` and the metrics sample.
+macro_rules! live_cte {
+    () => {
+        r#"
 WITH live AS (
     SELECT topic,
            count(*) FILTER (WHERE locked_until IS NULL AND run_at <= now()) AS available,
@@ -61,7 +64,13 @@ WITH live AS (
                AS oldest_available_secs
     FROM postbox.messages
     GROUP BY topic
-),
+),"#
+    };
+}
+
+const STATS: &str = concat!(
+    live_cte!(),
+    r#"
 dead AS (
     SELECT topic, count(*) AS dead FROM postbox.dead_letters GROUP BY topic
 )
@@ -73,7 +82,8 @@ SELECT coalesce(l.topic, d.topic) AS topic,
        l.oldest_available_secs
 FROM live l FULL JOIN dead d ON l.topic = d.topic
 ORDER BY 1
-"#;
+"#
+);
 
 /// The head of an ordered key that has failed and so holds back the messages behind it.
 #[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
@@ -131,15 +141,9 @@ pub struct SampleRow {
 }
 
 /// Everything the metrics need from the database, in one statement.
-const SAMPLE: &str = r#"
-WITH live AS (
-    SELECT topic,
-           count(*) FILTER (WHERE locked_until IS NULL AND run_at <= now()) AS available,
-           count(*) FILTER (WHERE locked_until IS NULL AND run_at > now()) AS scheduled,
-           count(*) FILTER (WHERE locked_until IS NOT NULL) AS running,
-           extract(epoch FROM now() - min(run_at) FILTER (WHERE locked_until IS NULL AND run_at <= now()))::float8 AS oldest
-    FROM postbox.messages GROUP BY topic
-),
+const SAMPLE: &str = concat!(
+    live_cte!(),
+    r#"
 dead AS (SELECT topic, count(*) AS n FROM postbox.dead_letters GROUP BY topic),
 heads AS (
     SELECT DISTINCT ON (topic, key) topic, last_error FROM postbox.messages WHERE ordered ORDER BY topic, key, id
@@ -148,7 +152,7 @@ stalled AS (SELECT topic, count(*) AS n FROM heads WHERE last_error IS NOT NULL 
 SELECT 'depth' AS metric, topic AS label, 'available' AS state, available::float8 AS value FROM live
 UNION ALL SELECT 'depth', topic, 'scheduled', scheduled::float8 FROM live
 UNION ALL SELECT 'depth', topic, 'running', running::float8 FROM live
-UNION ALL SELECT 'oldest_available', topic, '', oldest FROM live WHERE oldest IS NOT NULL
+UNION ALL SELECT 'oldest_available', topic, '', oldest_available_secs FROM live WHERE oldest_available_secs IS NOT NULL
 UNION ALL SELECT 'dead', topic, '', n::float8 FROM dead
 UNION ALL SELECT 'stalled', topic, '', n::float8 FROM stalled
 UNION ALL SELECT 'dead_tuples', relname::text, '', n_dead_tup::float8 FROM pg_stat_user_tables WHERE schemaname = 'postbox'
@@ -157,7 +161,8 @@ UNION ALL SELECT 'oldest_transaction', '', '',
        coalesce(extract(epoch FROM max(now() - xact_start)), 0)::float8
        FROM pg_stat_activity
        WHERE pid <> pg_backend_pid() AND (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL)
-"#;
+"#
+);
 
 /// Every object the store needs, as of the latest migration.
 const SCHEMA_READY: &str = "SELECT to_regclass('postbox.messages') IS NOT NULL
