@@ -11,7 +11,6 @@ use crate::engine::{Engine, Observer, RunReport, Settlement};
 use crate::metrics::Metrics;
 use crate::sink::Sink;
 use crate::sink::log::LogSink;
-use crate::sink::router::{RouteTo, Router};
 use crate::store::{DeadSelector, Store, Topics};
 use crate::{Error, Message};
 
@@ -121,15 +120,33 @@ pub async fn connect(settings: &Settings, stop: &CancellationToken) -> Result<St
     }
 }
 
-/// The sink the routes describe.
-pub fn build_sink(settings: &Settings) -> Result<Arc<dyn Sink>> {
-    let mut routes = Vec::new();
+/// One sink per route. Each route claims its topics minus those of the routes before it (first
+/// match wins), so each runs its own engine: a sink that is down backs off alone, and the other
+/// routes keep flowing.
+pub fn build_sinks(settings: &Settings) -> Result<Vec<Arc<dyn Sink>>> {
+    let mut sinks: Vec<Arc<dyn Sink>> = Vec::new();
+    let mut earlier: Option<Topics> = None;
     #[cfg(feature = "kafka")]
     let mut producer = None;
     for (i, r) in settings.routes.iter().enumerate() {
-        let topics = Topics::only(&r.topics);
+        let mine = Topics::only(&r.topics);
+        let topics = match &earlier {
+            Some(e) => mine.clone().excluding(e),
+            None => mine.clone(),
+        };
+        earlier = Some(match earlier {
+            Some(e) => Topics::only(e.patterns_and(&r.topics)),
+            None => mine,
+        });
+        if topics.is_empty() {
+            tracing::warn!(
+                route = i,
+                "route never matches: earlier routes take all its topics"
+            );
+            continue;
+        }
         let sink: Arc<dyn Sink> = match r.sink.as_str() {
-            "log" => Arc::new(LogSink::new(topics.clone())),
+            "log" => Arc::new(LogSink::new(topics)),
             #[cfg(feature = "kafka")]
             "kafka" => {
                 let kafka = settings.kafka.as_ref().ok_or_else(|| {
@@ -144,7 +161,7 @@ pub fn build_sink(settings: &Settings) -> Result<Arc<dyn Sink>> {
                 let p = producer.clone().expect("created above");
                 Arc::new(crate::sink::kafka::KafkaSink::new(
                     p,
-                    topics.clone(),
+                    topics,
                     r.kafka_topic.clone(),
                 ))
             }
@@ -160,21 +177,22 @@ pub fn build_sink(settings: &Settings) -> Result<Arc<dyn Sink>> {
                 )));
             }
         };
-        routes.push(RouteTo { topics, sink });
+        sinks.push(sink);
     }
-    Ok(Arc::new(Router::new(routes)))
+    Ok(sinks)
 }
 
-/// Runs the relay until a signal (or, with `drain`, until nothing claimable is left): metrics and
-/// health on the configured address, database gauges sampled on an interval.
+/// Runs the relay until a signal (or, with `drain`, until nothing claimable is left): one engine
+/// per route over one connection pool, metrics and health on the configured address, database
+/// gauges sampled on an interval.
 pub async fn run(
     settings: Settings,
     drain: bool,
     shutdown: CancellationToken,
     hard_stop: CancellationToken,
 ) -> Result<RunReport> {
-    let sink = build_sink(&settings)?;
-    let mut names: Vec<&str> = settings.routes.iter().map(|r| r.sink.as_str()).collect();
+    let sinks = build_sinks(&settings)?;
+    let mut names: Vec<&str> = sinks.iter().map(|s| s.name()).collect();
     names.sort_unstable();
     names.dedup();
     let metrics = Metrics::new(&names);
@@ -194,23 +212,48 @@ pub async fn run(
         settings.sample_interval,
         shutdown.clone(),
     ));
-    let mut builder = Engine::builder(&settings.database_url)
-        .store(store)
-        .sink_arc(sink)
-        .config(settings.engine.clone())
-        .drain(drain)
-        .observer(metrics.clone());
-    if drain {
-        builder = builder.listen(false);
+    let mut engines = Vec::new();
+    for sink in sinks {
+        let mut builder = Engine::builder(&settings.database_url)
+            .store(store.clone())
+            .sink_arc(sink)
+            .config(settings.engine.clone())
+            .drain(drain)
+            .observer(metrics.clone());
+        if drain {
+            builder = builder.listen(false);
+        }
+        engines.push(builder.build().await?);
     }
-    let engine = builder.build().await?;
-    tracing::info!(database = %redact_url(&settings.database_url), metrics = %settings.metrics_listen, "relay running");
-    let report = engine.run_until(shutdown.clone(), hard_stop).await?;
+    tracing::info!(database = %redact_url(&settings.database_url), metrics = %settings.metrics_listen, routes = engines.len(), "relay running");
+    let runs: Vec<_> = engines
+        .into_iter()
+        .map(|e| tokio::spawn(e.run_until(shutdown.clone(), hard_stop.clone())))
+        .collect();
+    let mut report = RunReport::default();
+    let mut failure = None;
+    for r in runs {
+        match r.await {
+            Ok(Ok(r)) => {
+                report.claimed += r.claimed;
+                report.delivered += r.delivered;
+                report.retried += r.retried;
+                report.dead_lettered += r.dead_lettered;
+                report.released += r.released;
+                report.fenced += r.fenced;
+            }
+            Ok(Err(e)) => failure = Some(RelayError::from(e)),
+            Err(e) => failure = Some(RelayError::Runtime(anyhow::anyhow!("engine task: {e}"))),
+        }
+    }
     shutdown.cancel();
     let _ = sampler.await;
     let _ = server.await;
     tracing::info!(?report, "relay stopped");
-    Ok(report)
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(report),
+    }
 }
 
 async fn sample(store: Store, metrics: Arc<Metrics>, every: Duration, stop: CancellationToken) {

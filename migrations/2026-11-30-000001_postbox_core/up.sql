@@ -66,8 +66,8 @@ ALTER TABLE postbox.messages SET (
     autovacuum_vacuum_cost_delay = 0
 );
 
--- Claim: pending → running, one statement per batch. Picks up to p_batch claimable messages in
--- (priority, id) order, skipping rows other claimers hold, and leases them. An ordered message is
+-- Claim: pending → running, one statement per batch. Picks up to p_batch claimable messages of the
+-- given topics (and none of the excluded ones: a relay's earlier routes) in (priority, id) order, skipping rows other claimers hold, and leases them. An ordered message is
 -- claimable only when no earlier ordered message of its (topic, key) is still in the table.
 --
 -- A function, for one reason: its SET clauses. A queue's statistics are often wrong (a bulk insert
@@ -80,6 +80,8 @@ CREATE FUNCTION postbox.claim(
     p_all_topics boolean,
     p_topics text[],
     p_patterns text[],
+    p_not_topics text[],
+    p_not_patterns text[],
     p_token bigint,
     p_owner text
 ) RETURNS SETOF postbox.messages
@@ -96,6 +98,7 @@ BEGIN
         WHERE m.locked_until IS NULL
           AND m.run_at <= now()
           AND (p_all_topics OR m.topic = ANY(p_topics) OR m.topic LIKE ANY(p_patterns))
+          AND NOT (m.topic = ANY(p_not_topics) OR m.topic LIKE ANY(p_not_patterns))
           AND (NOT m.ordered OR NOT EXISTS (
                 SELECT 1 FROM postbox.messages e
                 WHERE e.ordered AND e.topic = m.topic AND e.key = m.key AND e.id < m.id))

@@ -4,7 +4,6 @@ pub mod handlers;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod log;
-pub mod router;
 
 use std::time::Duration;
 

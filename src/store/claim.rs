@@ -21,15 +21,37 @@ pub struct Topics {
     all: bool,
     exact: Vec<String>,
     like: Vec<String>,
+    /// Never these, even if they match (a relay's earlier routes took them).
+    not_exact: Vec<String>,
+    not_like: Vec<String>,
 }
 
 impl Topics {
+    fn none() -> Self {
+        Topics {
+            all: false,
+            exact: Vec::new(),
+            like: Vec::new(),
+            not_exact: Vec::new(),
+            not_like: Vec::new(),
+        }
+    }
+
+    /// This filter minus everything `other` lets through (routes: first match wins).
+    pub fn excluding(mut self, other: &Topics) -> Self {
+        if other.all {
+            return Topics::none();
+        }
+        self.not_exact.extend(other.exact.iter().cloned());
+        self.not_like.extend(other.like.iter().cloned());
+        self
+    }
+
     /// Every topic.
     pub fn all() -> Self {
         Topics {
             all: true,
-            exact: Vec::new(),
-            like: Vec::new(),
+            ..Topics::none()
         }
     }
 
@@ -40,11 +62,7 @@ impl Topics {
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        let mut t = Topics {
-            all: false,
-            exact: Vec::new(),
-            like: Vec::new(),
-        };
+        let mut t = Topics::none();
         for p in patterns {
             let p = p.as_ref();
             if p == "*" {
@@ -85,9 +103,12 @@ impl Topics {
             }
             parts.len() > 1 || rest.is_empty()
         }
-        self.all
-            || self.exact.iter().any(|t| t == topic)
-            || self.like.iter().any(|p| glob(p, topic))
+        let excluded = self.not_exact.iter().any(|t| t == topic)
+            || self.not_like.iter().any(|p| glob(p, topic));
+        !excluded
+            && (self.all
+                || self.exact.iter().any(|t| t == topic)
+                || self.like.iter().any(|p| glob(p, topic)))
     }
 
     /// Exactly these topic names (no patterns: a `*` is a literal character here).
@@ -99,19 +120,20 @@ impl Topics {
         let mut exact: Vec<String> = names.into_iter().map(|s| s.as_ref().to_owned()).collect();
         exact.sort_unstable();
         Topics {
-            all: false,
             exact,
-            like: Vec::new(),
+            ..Topics::none()
         }
     }
 
-    /// The filter as the patterns it was made from (`*` for all).
-    pub fn patterns(&self) -> Vec<String> {
-        if self.all {
-            return vec!["*".into()];
-        }
-        let mut out = self.exact.clone();
+    /// The patterns of this filter (`*` for all) followed by `more` (exclusions are not kept).
+    pub fn patterns_and<S: AsRef<str>>(&self, more: &[S]) -> Vec<String> {
+        let mut out = if self.all {
+            vec!["*".to_owned()]
+        } else {
+            self.exact.clone()
+        };
         out.extend(self.like.iter().map(|p| split_like(p).join("*")));
+        out.extend(more.iter().map(|m| m.as_ref().to_owned()));
         out
     }
 
@@ -229,19 +251,21 @@ impl From<JsonHeaders> for BTreeMap<String, String> {
 const CLAIM: &str = r#"
 SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
        created_at, locked_until, lease_token, last_error, dedup_key
-FROM postbox.claim($1, $2, $3, $4, $5, $6, $7)
+FROM postbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9)
 "#;
 
 /// The statement inside `postbox.claim`, as deployed, with its parameters as `$n` binds.
-const CLAIM_BODY: &str = "SELECT prosrc AS body FROM pg_proc WHERE oid = 'postbox.claim(integer, double precision, boolean, text[], text[], bigint, text)'::regprocedure";
+const CLAIM_BODY: &str = "SELECT prosrc AS body FROM pg_proc WHERE oid = 'postbox.claim(integer, double precision, boolean, text[], text[], text[], text[], bigint, text)'::regprocedure";
 
 /// Parameters of `postbox.claim`, in order.
-const CLAIM_PARAMS: [&str; 7] = [
+const CLAIM_PARAMS: [&str; 9] = [
     "p_batch",
     "p_lease_secs",
     "p_all_topics",
     "p_topics",
     "p_patterns",
+    "p_not_topics",
+    "p_not_patterns",
     "p_token",
     "p_owner",
 ];
@@ -282,6 +306,8 @@ impl Store {
             .bind::<Bool, _>(topics.all)
             .bind::<Array<Text>, _>(&topics.exact)
             .bind::<Array<Text>, _>(&topics.like)
+            .bind::<Array<Text>, _>(&topics.not_exact)
+            .bind::<Array<Text>, _>(&topics.not_like)
             .bind::<BigInt, _>(fastrand::i64(..))
             .bind::<Text, _>(&*self.owner)
             .load(&mut conn)
@@ -323,6 +349,8 @@ impl Store {
                     .bind::<Bool, _>(topics.all)
                     .bind::<Array<Text>, _>(&topics.exact)
                     .bind::<Array<Text>, _>(&topics.like)
+                    .bind::<Array<Text>, _>(&topics.not_exact)
+                    .bind::<Array<Text>, _>(&topics.not_like)
                     .bind::<BigInt, _>(0)
                     .bind::<Text, _>("explain")
                     .load(conn)
@@ -355,6 +383,11 @@ mod tests {
         assert!(!t.matches("aXb%x"));
         assert!(Topics::only(["*"]).matches("anything"));
         assert!(Topics::only(Vec::<String>::new()).is_empty());
+        let rest = Topics::all().excluding(&Topics::only(["orders.*", "audit"]));
+        assert!(
+            rest.matches("payments.x") && !rest.matches("orders.created") && !rest.matches("audit")
+        );
+        assert!(Topics::only(["x"]).excluding(&Topics::all()).is_empty());
         let mid = Topics::only(["a*b*c"]);
         assert!(mid.matches("abc") && mid.matches("a-b-c") && !mid.matches("a-c-b"));
     }

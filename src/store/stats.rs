@@ -168,7 +168,7 @@ UNION ALL SELECT 'oldest_transaction', '', '',
 const SCHEMA_READY: &str = "SELECT to_regclass('postbox.messages') IS NOT NULL
     AND to_regclass('postbox.dead_letters') IS NOT NULL
     AND to_regclass('postbox.listeners') IS NOT NULL
-    AND to_regprocedure('postbox.claim(integer, double precision, boolean, text[], text[], bigint, text)') IS NOT NULL
+    AND to_regprocedure('postbox.claim(integer, double precision, boolean, text[], text[], text[], text[], bigint, text)') IS NOT NULL
     AS ready";
 
 impl Store {
