@@ -130,6 +130,6 @@ async fn flush(
             }
         };
         let age = (now - s.created_at).to_std().unwrap_or_default();
-        observer.settled(&s.topic, sink.sink_for(&s.topic), what, age);
+        observer.settled(&s.topic, sink.name(), what, age);
     }
 }

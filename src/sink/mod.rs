@@ -38,7 +38,8 @@ impl Unavailable {
         Unavailable(reason.into(), None)
     }
 
-    /// The sink that is down, when the one the engine runs routes to several (metric label).
+    /// Names the sink that is down (metric label), when it is not the engine's own sink (a sink
+    /// that wraps others).
     pub fn of_sink(mut self, sink: impl Into<String>) -> Self {
         self.1.get_or_insert_with(|| sink.into());
         self
@@ -62,11 +63,6 @@ pub trait Sink: Send + Sync + 'static {
     /// larger values let a sink send a whole batch and await it together (Kafka).
     fn max_batch(&self) -> usize {
         usize::MAX
-    }
-
-    /// The sink that delivers `topic` (metric label): itself, unless it routes to others.
-    fn sink_for(&self, _topic: &str) -> &str {
-        self.name()
     }
 
     /// Delivers `batch`; one outcome per message, same order.
