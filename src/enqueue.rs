@@ -59,6 +59,23 @@ diesel::define_sql_function! {
 }
 
 diesel::define_sql_function! {
+    /// Takes the writer locks of ordered keys in one sorted order (see the state-model migration):
+    /// a batch never waits for another batch in a cycle, and id order is commit order per key.
+    #[sql_name = "postbox.lock_keys"]
+    fn lock_keys(topics: diesel::sql_types::Array<diesel::sql_types::Text>, keys: diesel::sql_types::Array<diesel::sql_types::Text>) -> diesel::sql_types::BigInt;
+}
+
+/// The (topic, key) of every ordered message, for [`lock_keys`]; `None` when there is none.
+fn ordered_keys<'a>(rows: &[NewMessage<'a>]) -> Option<(Vec<&'a str>, Vec<&'a str>)> {
+    let (topics, keys): (Vec<&str>, Vec<&str>) = rows
+        .iter()
+        .filter(|r| r.ordered)
+        .filter_map(|r| Some((r.topic, r.key?)))
+        .unzip();
+    (!topics.is_empty()).then_some((topics, keys))
+}
+
+diesel::define_sql_function! {
     /// `now()` as timestamptz.
     #[sql_name = "now"]
     fn db_now() -> diesel::sql_types::Timestamptz;
@@ -208,6 +225,9 @@ pub fn enqueue(conn: &mut PgConnection, msg: &Message) -> Result<Enqueued> {
 pub fn enqueue_many(conn: &mut PgConnection, msgs: &[Message]) -> Result<Vec<Enqueued>> {
     use diesel::RunQueryDsl;
     let rows = rows(msgs)?;
+    if let Some((topics, keys)) = ordered_keys(&rows) {
+        diesel::select(lock_keys(topics, keys)).get_result::<i64>(conn)?;
+    }
     let mut out = Vec::with_capacity(rows.len());
     for chunk in rows.chunks(ROWS_PER_STATEMENT) {
         let inserted = insert_chunk!(chunk, conn,);
@@ -242,6 +262,11 @@ pub async fn enqueue_many_async(
 ) -> Result<Vec<Enqueued>> {
     use diesel_async::RunQueryDsl;
     let rows = rows(msgs)?;
+    if let Some((topics, keys)) = ordered_keys(&rows) {
+        diesel::select(lock_keys(topics, keys))
+            .get_result::<i64>(conn)
+            .await?;
+    }
     let mut out = Vec::with_capacity(rows.len());
     for chunk in rows.chunks(ROWS_PER_STATEMENT) {
         let inserted = insert_chunk!(chunk, conn, .await);

@@ -205,20 +205,34 @@ async fn execute(cli: Cli) -> Result<(), RelayError> {
             if json {
                 println!(
                     "{}",
-                    serde_json::json!({"topics": stats.topics, "dead_total": stats.dead_total(), "stalled_keys": stalled})
+                    serde_json::json!({"topics": stats.topics, "estimated": stats.estimated, "dead_total": stats.dead_total(), "stalled_keys": stalled})
                 );
             } else {
                 println!(
-                    "{:<32} {:>10} {:>10} {:>10} {:>10} {:>14}",
-                    "TOPIC", "AVAILABLE", "SCHEDULED", "RUNNING", "DEAD", "OLDEST (s)"
+                    "{:<32} {:>10} {:>10} {:>10} {:>10} {:>10} {:>14}",
+                    "TOPIC", "AVAILABLE", "SCHEDULED", "RUNNING", "WAITING", "DEAD", "OLDEST (s)"
                 );
+                let approx = if stats.estimated { "~" } else { "" };
                 for t in &stats.topics {
                     let oldest = t
                         .oldest_available_secs
                         .map_or("-".to_owned(), |s| format!("{s:.1}"));
+                    let n = |v: i64| format!("{approx}{v}");
                     println!(
-                        "{:<32} {:>10} {:>10} {:>10} {:>10} {:>14}",
-                        t.topic, t.available, t.scheduled, t.running, t.dead, oldest
+                        "{:<32} {:>10} {:>10} {:>10} {:>10} {:>10} {:>14}",
+                        t.topic,
+                        n(t.available),
+                        n(t.scheduled),
+                        t.running,
+                        n(t.waiting),
+                        n(t.dead),
+                        oldest
+                    );
+                }
+                if stats.estimated {
+                    println!(
+                        "(~: estimated from a sample: the queue holds more than {} messages)",
+                        postbox::store::EXACT_LIMIT
                     );
                 }
                 println!("dead letters: {}", stats.dead_total());

@@ -264,7 +264,7 @@ async fn sample(store: Store, metrics: Arc<Metrics>, every: Duration, stop: Canc
             _ = tick.tick() => {}
             _ = stop.cancelled() => return,
         }
-        match store.sample().await {
+        match store.sample(every).await {
             Ok(rows) => metrics.apply_sample(Ok(&rows)),
             Err(e) => {
                 tracing::warn!(error = %e, "database sample failed");

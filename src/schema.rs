@@ -1,6 +1,12 @@
 // @generated automatically by Diesel CLI.
 
 pub mod postbox {
+    pub mod sql_types {
+        #[derive(diesel::sql_types::SqlType)]
+        #[diesel(postgres_type(name = "message_state", schema = "postbox"))]
+        pub struct MessageState;
+    }
+
     diesel::table! {
         postbox.dead_letters (id) {
             id -> Int8,
@@ -22,6 +28,9 @@ pub mod postbox {
     }
 
     diesel::table! {
+        use diesel::sql_types::*;
+        use super::sql_types::MessageState;
+
         postbox.messages (id) {
             id -> Int8,
             topic -> Text,
@@ -40,6 +49,7 @@ pub mod postbox {
             last_error -> Nullable<Text>,
             created_at -> Timestamptz,
             dedup_key -> Nullable<Text>,
+            state -> MessageState,
         }
     }
 

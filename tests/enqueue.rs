@@ -334,12 +334,15 @@ async fn dedup_key_is_a_no_op_that_names_the_live_message() {
     assert!(matches!(again, Enqueued::New(id) if id != first_id));
 }
 
+/// Migrations in `migrations/`.
+const MIGRATIONS: usize = 2;
+
 #[test]
 fn migrations_run_sync_are_idempotent_and_revert() {
     use diesel_migrations::MigrationHarness;
     let db = TestDb::empty();
     let mut conn = db.conn();
-    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), 1);
+    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), MIGRATIONS);
     assert!(postbox::migrate(&mut conn).unwrap().is_empty());
     conn.revert_all_migrations(postbox::MIGRATIONS).unwrap();
     assert_eq!(
@@ -347,7 +350,7 @@ fn migrations_run_sync_are_idempotent_and_revert() {
         0,
         "down.sql left the schema behind"
     );
-    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), 1);
+    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), MIGRATIONS);
     db.exec("INSERT INTO postbox.messages (topic) VALUES ('t')");
 }
 
@@ -355,7 +358,10 @@ fn migrations_run_sync_are_idempotent_and_revert() {
 async fn migrations_run_async_and_agree_with_sync_bookkeeping() {
     let db = TestDb::empty();
     let mut conn = db.aconn().await;
-    assert_eq!(postbox::migrate_async(&mut conn).await.unwrap().len(), 1);
+    assert_eq!(
+        postbox::migrate_async(&mut conn).await.unwrap().len(),
+        MIGRATIONS
+    );
     assert!(postbox::migrate_async(&mut conn).await.unwrap().is_empty());
     // The sync runner (and diesel CLI) see them as applied.
     assert!(postbox::migrate(&mut db.conn()).unwrap().is_empty());
@@ -378,7 +384,7 @@ fn concurrent_migrations_take_turns() {
         })
         .collect();
     let applied: usize = handles.into_iter().map(|h| h.join().unwrap()).sum();
-    assert_eq!(applied, 1);
+    assert_eq!(applied, MIGRATIONS);
     let _ = diesel::sql_query("SELECT 1")
         .execute(&mut db.conn())
         .unwrap();

@@ -27,6 +27,9 @@ pub const DEFAULT_LINGER_ABOVE: f64 = 1000.0;
 pub const LINGER_STEP: Duration = Duration::from_millis(1);
 /// How long shutdown waits for running deliveries before handing them back.
 pub const DEFAULT_SHUTDOWN_DEADLINE: Duration = Duration::from_secs(25);
+/// Longest the scheduler sleeps between looks for due scheduled messages (it sleeps exactly until
+/// the next known one is due when that is sooner).
+pub const DEFAULT_SCHEDULE_INTERVAL: Duration = Duration::from_millis(100);
 /// How often expired leases are rescued.
 pub const DEFAULT_RESCUE_INTERVAL: Duration = Duration::from_secs(10);
 /// Most outcomes written per completer flush.
@@ -60,6 +63,8 @@ pub struct EngineConfig {
     pub shutdown_deadline: Duration,
     /// Rescue interval for expired leases.
     pub rescue_interval: Duration,
+    /// Longest pause of the scheduler (scheduled → available); see [`DEFAULT_SCHEDULE_INTERVAL`].
+    pub schedule_interval: Duration,
     /// Most outcomes written per flush of the completer.
     pub completer_batch: usize,
     /// Longest back-off after the sink reported itself unavailable.
@@ -80,6 +85,7 @@ impl Default for EngineConfig {
             linger_above: DEFAULT_LINGER_ABOVE,
             shutdown_deadline: DEFAULT_SHUTDOWN_DEADLINE,
             rescue_interval: DEFAULT_RESCUE_INTERVAL,
+            schedule_interval: DEFAULT_SCHEDULE_INTERVAL,
             completer_batch: DEFAULT_COMPLETER_BATCH,
             max_unavailable_backoff: DEFAULT_MAX_UNAVAILABLE_BACKOFF,
             drain: false,
@@ -138,6 +144,12 @@ impl EngineConfig {
         }
         if self.rescue_interval.is_zero() {
             return Err(invalid("rescue_interval", "must be greater than zero"));
+        }
+        if self.schedule_interval < Duration::from_millis(10) {
+            return Err(invalid(
+                "schedule_interval",
+                format!("must be at least 10ms, got {:?}", self.schedule_interval),
+            ));
         }
         if self.completer_batch == 0 {
             return Err(invalid("completer_batch", "must be at least 1"));

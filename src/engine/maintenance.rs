@@ -2,12 +2,14 @@
 //! validated config, `run_once` returning what it did, and a loop that only ticks. They are safe
 //! to run on every replica at once.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::Result;
-use crate::store::{RESCUE_BATCH, RetryReport, Store};
+use crate::store::{PROMOTE_BATCH, Promoted, RESCUE_BATCH, RetryReport, Store};
 
 /// Returns expired leases to pending (or to the dead letters when out of attempts).
 #[derive(Debug, Clone)]
@@ -55,6 +57,69 @@ impl Rescuer {
                 }
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "rescue failed"),
+            }
+        }
+    }
+}
+
+/// Makes scheduled messages (delayed, or backing off after a failure) available when their
+/// `run_at` comes: it sleeps until the next one is due, at most `interval`, and wakes early when
+/// the engine is woken (a writer's NOTIFY may announce a message due sooner).
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    store: Store,
+    interval: Duration,
+    wake: Arc<Notify>,
+}
+
+impl Scheduler {
+    /// A scheduler that looks at least every `interval` and wakes `wake` (the engine's claim
+    /// loops) when it made something available.
+    pub fn new(store: Store, interval: Duration, wake: Arc<Notify>) -> Self {
+        Scheduler {
+            store,
+            interval,
+            wake,
+        }
+    }
+
+    /// Promotes everything due now, in batches; returns how many and when the next is due.
+    pub async fn run_once(&self) -> Result<Promoted> {
+        let mut total = 0;
+        loop {
+            let r = self.store.promote_due().await?;
+            total += r.promoted;
+            if r.promoted < PROMOTE_BATCH as usize {
+                return Ok(Promoted {
+                    promoted: total,
+                    next_due: r.next_due,
+                });
+            }
+        }
+    }
+
+    /// Runs until `stop`.
+    pub async fn run(self, stop: CancellationToken) {
+        let mut pause = Duration::from_millis(100);
+        loop {
+            let sleep = match self.run_once().await {
+                Ok(r) => {
+                    pause = Duration::from_millis(100);
+                    if r.promoted > 0 {
+                        self.wake.notify_waiters();
+                    }
+                    r.next_due.map_or(self.interval, |d| d.min(self.interval))
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_in = ?pause, "scheduler failed");
+                    pause = (pause * 2).min(Duration::from_secs(10));
+                    pause
+                }
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(sleep) => {}
+                _ = self.wake.notified() => {}
+                _ = stop.cancelled() => return,
             }
         }
     }

@@ -34,7 +34,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 pub use self::config::EngineConfig;
-pub use self::maintenance::Rescuer;
+pub use self::maintenance::{Rescuer, Scheduler};
 pub use self::observer::{Counters, NoObserver, Observer, RunReport, Settlement};
 use self::producer::{InFlight, Producer, SinkHealth};
 use crate::backoff::Backoff;
@@ -107,6 +107,12 @@ impl EngineBuilder {
     /// Fallback poll interval (default 5 s).
     pub fn poll_interval(mut self, d: Duration) -> Self {
         self.config.poll_interval = d;
+        self
+    }
+    /// Longest pause of the scheduler that makes due scheduled messages available (default
+    /// 100 ms).
+    pub fn schedule_interval(mut self, d: Duration) -> Self {
+        self.config.schedule_interval = d;
         self
     }
     /// Shutdown deadline (default 25 s).
@@ -272,6 +278,14 @@ impl Engine {
         let rescuer = tokio::spawn(
             Rescuer::new(self.store.clone(), self.config.rescue_interval).run(background.clone()),
         );
+        let scheduler = tokio::spawn(
+            Scheduler::new(
+                self.store.clone(),
+                self.config.schedule_interval,
+                wake.clone(),
+            )
+            .run(background.clone()),
+        );
 
         let producer = Arc::new(Producer {
             store: self.store.clone(),
@@ -326,6 +340,7 @@ impl Engine {
         background.cancel();
         let _ = heartbeat.await;
         let _ = rescuer.await;
+        let _ = scheduler.await;
         if let Some(t) = notifier_task {
             let _ = t.await;
         }

@@ -99,6 +99,16 @@ fn chosen_sql() -> String {
     format!("SELECT d.id FROM postbox.dead_letters d WHERE {SELECTED}")
 }
 
+/// Takes the writer locks of the ordered keys about to be replayed, in one sorted order (the
+/// insert trigger takes them again, at no cost), and tells that trigger to keep the ids.
+fn lock_replayed_keys_sql() -> String {
+    format!(
+        "SELECT set_config('postbox.keep_ids', 'on', true) AS keep,
+                postbox.lock_keys(coalesce(array_agg(d.topic), '{{}}'), coalesce(array_agg(d.key), '{{}}')) AS locked
+         FROM postbox.dead_letters d WHERE {SELECTED} AND d.ordered"
+    )
+}
+
 macro_rules! bind_selector {
     ($query:expr, $sel:expr) => {{
         let (all, ids, topic, older) = match $sel {
@@ -132,16 +142,20 @@ impl Store {
 
     /// Puts dead letters back into the queue with their original ids, attempts reset to 0 and
     /// claimable now. An ordered message keeps its place: it is the head of its key again, before
-    /// any later message of that key that is still waiting.
+    /// any later message of that key that has not started (one that is running finishes first).
     pub async fn dead_replay(&self, selector: &DeadSelector) -> Result<ReplayReport> {
         let mut conn = self.conn().await?;
         let sql = replay_sql();
         let chosen_q = chosen_sql();
+        let lock_q = lock_replayed_keys_sql();
         use diesel_async::AsyncConnection;
         let (chosen, replayed) = conn
             .transaction(async |conn| {
                 let chosen: Vec<IdRow> = bind_selector!(diesel::sql_query(&chosen_q), selector)
                     .load(conn)
+                    .await?;
+                bind_selector!(diesel::sql_query(&lock_q), selector)
+                    .execute(conn)
                     .await?;
                 let replayed: Vec<IdRow> = bind_selector!(diesel::sql_query(&sql), selector)
                     .load(conn)

@@ -12,10 +12,16 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 /// The same migrations as (version, up.sql) for the async runner. A unit test keeps the two lists
 /// equal.
 #[cfg_attr(not(feature = "async"), allow(dead_code))]
-pub(crate) const SQL_MIGRATIONS: &[(&str, &str)] = &[(
-    "20261130000001",
-    include_str!("../../migrations/2026-11-30-000001_postbox_core/up.sql"),
-)];
+pub(crate) const SQL_MIGRATIONS: &[(&str, &str)] = &[
+    (
+        "20261130000001",
+        include_str!("../../migrations/2026-11-30-000001_postbox_core/up.sql"),
+    ),
+    (
+        "20261201000001",
+        include_str!("../../migrations/2026-12-01-000001_state_model/up.sql"),
+    ),
+];
 
 /// One migration at a time across every process: the key of the advisory lock they share.
 const LOCK: &str = "SELECT pg_advisory_lock(7206185462771339348)";

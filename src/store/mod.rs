@@ -15,6 +15,8 @@ mod dead;
 #[cfg(feature = "async")]
 mod listen;
 #[cfg(feature = "async")]
+mod schedule;
+#[cfg(feature = "async")]
 mod settle;
 #[cfg(feature = "async")]
 mod stats;
@@ -24,8 +26,9 @@ pub use self::{
     claim::{ClaimedMessage, Topics},
     dead::{DeadLetter, DeadSelector, ReplayReport},
     listen::{listen, register_listener, unregister_listener},
+    schedule::{PROMOTE_BATCH, Promoted},
     settle::{Dead, RESCUE_BATCH, Retry, RetryReport, Settled},
-    stats::{SampleRow, StalledKey, Stats, TopicStats},
+    stats::{EXACT_LIMIT, SAMPLE_ROWS, SampleRow, StalledKey, Stats, TopicStats},
 };
 
 #[cfg(feature = "async")]

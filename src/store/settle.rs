@@ -123,6 +123,7 @@ retried AS (
     SET locked_until = NULL, lease_token = NULL, locked_by = NULL,
         last_error = i.error,
         first_error = coalesce(m.first_error, i.error),
+        state = CASE WHEN i.delay_secs <= 0 THEN 'available' ELSE 'scheduled' END::postbox.message_state,
         run_at = now() + make_interval(secs => coalesce(i.delay_secs, "#,
     backoff_sql!("$5", "$6", "$7"),
     r#"))
@@ -159,7 +160,7 @@ RETURNING id
 
 const RELEASE: &str = r#"
 UPDATE postbox.messages m
-SET attempts = greatest(m.attempts - 1, 0), locked_until = NULL, lease_token = NULL, locked_by = NULL
+SET state = 'available', attempts = greatest(m.attempts - 1, 0), locked_until = NULL, lease_token = NULL, locked_by = NULL
 FROM unnest($1::bigint[], $2::bigint[]) AS d(id, token)
 WHERE m.id = d.id AND m.lease_token = d.token
 RETURNING m.id
@@ -179,7 +180,7 @@ const RESCUE: &str = concat!(
     r#"
 WITH expired AS (
     SELECT id FROM postbox.messages
-    WHERE locked_until < now()
+    WHERE state = 'running' AND locked_until < now()
     ORDER BY locked_until
     LIMIT $1
     FOR UPDATE SKIP LOCKED
@@ -203,7 +204,7 @@ buried AS (
 ),
 back AS (
     UPDATE postbox.messages m
-    SET locked_until = NULL, lease_token = NULL, locked_by = NULL,
+    SET state = 'scheduled', locked_until = NULL, lease_token = NULL, locked_by = NULL,
         last_error = format('lease expired on attempt %s (held by %s)', m.attempts, m.locked_by),
         first_error = coalesce(m.first_error, format('lease expired on attempt %s (held by %s)', m.attempts, m.locked_by)),
         run_at = now() + make_interval(secs => "#,

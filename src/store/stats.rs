@@ -1,31 +1,47 @@
-//! Queue statistics for `status` and the metrics sampler: one light query.
+//! Queue statistics for `status` and the metrics: their cost grows with the number of topics,
+//! never with the number of rows.
+//!
+//! Below [`EXACT_LIMIT`] live messages (and dead letters) every figure is an exact count. Above
+//! it, running messages are still counted exactly (they are few: what relays hold), available ones
+//! exactly per topic up to [`EXACT_LIMIT`] through the claim index, and the rest (scheduled,
+//! waiting, large available backlogs, dead letters) is estimated from a sample of about
+//! [`SAMPLE_ROWS`] rows; [`Stats::estimated`] says so.
+
+use std::collections::BTreeMap;
 
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Double, Nullable, Text};
-use diesel_async::RunQueryDsl;
+use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 
 use super::Store;
 use crate::error::Result;
 
+/// Up to this many live messages (or dead letters) the figures are exact counts.
+pub const EXACT_LIMIT: i64 = 50_000;
+/// About this many rows are sampled to estimate the figures of a larger table.
+pub const SAMPLE_ROWS: f64 = 20_000.0;
+
 /// Depth of one topic.
-#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, QueryableByName, serde::Serialize)]
 pub struct TopicStats {
     #[diesel(sql_type = Text)]
     pub topic: String,
-    /// Pending and claimable now (`run_at` passed); includes ordered messages waiting behind
-    /// the head of their key.
+    /// Claimable now.
     #[diesel(sql_type = BigInt)]
     pub available: i64,
-    /// Pending with `run_at` in the future (delayed, or backing off after a failure).
+    /// Waiting for their `run_at` (delayed, or backing off after a failure).
     #[diesel(sql_type = BigInt)]
     pub scheduled: i64,
     /// Leased by a relay.
     #[diesel(sql_type = BigInt)]
     pub running: i64,
+    /// Ordered messages waiting behind the head of their key.
+    #[diesel(sql_type = BigInt)]
+    pub waiting: i64,
     /// In the dead letters.
     #[diesel(sql_type = BigInt)]
     pub dead: i64,
-    /// Seconds the oldest available message has been claimable and not claimed.
+    /// Seconds the next message to be claimed has been claimable.
     #[diesel(sql_type = Nullable<Double>)]
     pub oldest_available_secs: Option<f64>,
 }
@@ -34,6 +50,8 @@ pub struct TopicStats {
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct Stats {
     pub topics: Vec<TopicStats>,
+    /// True when some figures are estimates (a table above [`EXACT_LIMIT`] rows).
+    pub estimated: bool,
 }
 
 impl Stats {
@@ -42,48 +60,91 @@ impl Stats {
         self.topics.iter().map(|t| t.dead).sum()
     }
 
-    /// Live messages (available, scheduled or running), all topics.
+    /// Live messages (available, scheduled, running or waiting), all topics.
     pub fn live_total(&self) -> i64 {
         self.topics
             .iter()
-            .map(|t| t.available + t.scheduled + t.running)
+            .map(|t| t.available + t.scheduled + t.running + t.waiting)
             .sum()
     }
 }
 
-/// Depth per topic: shared by `stats` and the metrics sample.
-macro_rules! live_cte {
-    () => {
-        r#"
-WITH live AS (
-    SELECT topic,
-           count(*) FILTER (WHERE locked_until IS NULL AND run_at <= now()) AS available,
-           count(*) FILTER (WHERE locked_until IS NULL AND run_at > now()) AS scheduled,
-           count(*) FILTER (WHERE locked_until IS NOT NULL) AS running,
-           extract(epoch FROM now() - min(run_at) FILTER (WHERE locked_until IS NULL AND run_at <= now()))::float8
-               AS oldest_available_secs
-    FROM postbox.messages
-    GROUP BY topic
-),"#
-    };
+/// Live tuples of a table as the statistics system counts them: O(1), a little behind.
+const LIVE_ESTIMATE: &str = "SELECT greatest(coalesce(s.n_live_tup, 0), c.reltuples::bigint) AS n
+    FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+    WHERE c.oid = $1::regclass";
+
+/// Exact depth of a small table: at most $1 rows are read (the caller checks it did not hit that).
+const EXACT_LIVE: &str = r#"
+SELECT topic,
+       count(*) FILTER (WHERE state = 'available') AS available,
+       count(*) FILTER (WHERE state = 'scheduled') AS scheduled,
+       count(*) FILTER (WHERE state = 'running') AS running,
+       count(*) FILTER (WHERE state = 'waiting') AS waiting,
+       0::bigint AS dead,
+       extract(epoch FROM now() - min(run_at) FILTER (WHERE state = 'available'))::float8 AS oldest_available_secs
+FROM (SELECT topic, state, run_at FROM postbox.messages LIMIT $1) m
+GROUP BY topic
+"#;
+
+const EXACT_DEAD: &str = r#"
+SELECT topic, count(*) AS n FROM (SELECT topic FROM postbox.dead_letters LIMIT $1) d GROUP BY topic
+"#;
+
+/// Per topic with available messages (one index descent per topic): available counted exactly up
+/// to $1, and the age of the next message to be claimed.
+const AVAILABLE_BY_INDEX: &str = r#"
+SELECT t AS topic,
+       (SELECT count(*) FROM (SELECT 1 FROM postbox.messages m
+                              WHERE m.state = 'available' AND m.topic = u.t LIMIT $1) c) AS n,
+       (SELECT extract(epoch FROM now() - m.run_at)::float8 FROM postbox.messages m
+        WHERE m.state = 'available' AND m.topic = u.t ORDER BY m.priority, m.id LIMIT 1) AS oldest
+FROM unnest(postbox.available_topics(true, '{}', '{}', '{}', '{}')) AS u(t)
+"#;
+
+const RUNNING: &str = "SELECT topic, count(*) AS n, NULL::float8 AS oldest
+    FROM postbox.messages WHERE state = 'running' GROUP BY topic";
+
+/// A sample of live messages: (topic, state, rows seen). $1: the percentage of pages.
+const SAMPLE_LIVE: &str = "SELECT topic, state::text AS state, count(*) AS n
+    FROM postbox.messages TABLESAMPLE SYSTEM ($1) GROUP BY topic, state";
+
+const SAMPLE_DEAD: &str = "SELECT topic, 'dead' AS state, count(*) AS n
+    FROM postbox.dead_letters TABLESAMPLE SYSTEM ($1) GROUP BY topic";
+
+#[derive(QueryableByName)]
+struct N {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
 }
 
-const STATS: &str = concat!(
-    live_cte!(),
-    r#"
-dead AS (
-    SELECT topic, count(*) AS dead FROM postbox.dead_letters GROUP BY topic
-)
-SELECT coalesce(l.topic, d.topic) AS topic,
-       coalesce(l.available, 0) AS available,
-       coalesce(l.scheduled, 0) AS scheduled,
-       coalesce(l.running, 0) AS running,
-       coalesce(d.dead, 0) AS dead,
-       l.oldest_available_secs
-FROM live l FULL JOIN dead d ON l.topic = d.topic
-ORDER BY 1
-"#
-);
+#[derive(QueryableByName)]
+struct TopicN {
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
+#[derive(QueryableByName)]
+struct TopicCount {
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+    #[diesel(sql_type = Nullable<Double>)]
+    oldest: Option<f64>,
+}
+
+#[derive(QueryableByName)]
+struct Sampled {
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = Text)]
+    state: String,
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
 
 /// The head of an ordered key that has failed and so holds back the messages behind it.
 #[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
@@ -102,30 +163,29 @@ pub struct StalledKey {
     pub age_secs: f64,
     #[diesel(sql_type = Nullable<Text>)]
     pub last_error: Option<String>,
-    /// Messages of the key waiting behind the head.
+    /// Messages of the key waiting behind the head (counted up to 100,000).
     #[diesel(sql_type = BigInt)]
     pub waiting: i64,
 }
 
+/// Heads that have failed, through messages_stalled_idx: the cost is the number of such heads.
 const STALLED: &str = r#"
-WITH heads AS (
-    SELECT DISTINCT ON (topic, key) topic, key, id, attempts, created_at, last_error
-    FROM postbox.messages
-    WHERE ordered
-    ORDER BY topic, key, id
-)
 SELECT h.topic, h.key, h.id, h.attempts,
        extract(epoch FROM now() - h.created_at)::float8 AS age_secs, h.last_error,
-       (SELECT count(*) FROM postbox.messages w
-        WHERE w.ordered AND w.topic = h.topic AND w.key = h.key AND w.id > h.id) AS waiting
-FROM heads h
-WHERE h.last_error IS NOT NULL
+       (SELECT count(*) FROM (SELECT 1 FROM postbox.messages w
+                              WHERE w.ordered AND w.topic = h.topic AND w.key = h.key
+                                AND w.state = 'waiting' LIMIT 100000) c) AS waiting
+FROM postbox.messages h
+WHERE h.ordered AND h.state <> 'waiting' AND h.last_error IS NOT NULL
 ORDER BY h.created_at
 LIMIT $1
 "#;
 
+const STALLED_PER_TOPIC: &str = "SELECT topic, count(*) AS n FROM postbox.messages
+    WHERE ordered AND state <> 'waiting' AND last_error IS NOT NULL GROUP BY topic";
+
 /// One figure of a metrics sample.
-#[derive(Debug, Clone, PartialEq, QueryableByName)]
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize, serde::Deserialize)]
 pub struct SampleRow {
     /// depth, oldest_available, dead, stalled, dead_tuples, live_tuples, oldest_transaction
     #[diesel(sql_type = Text)]
@@ -140,36 +200,161 @@ pub struct SampleRow {
     pub value: f64,
 }
 
-/// Everything the metrics need from the database, in one statement.
-const SAMPLE: &str = concat!(
-    live_cte!(),
-    r#"
-dead AS (SELECT topic, count(*) AS n FROM postbox.dead_letters GROUP BY topic),
-heads AS (
-    SELECT DISTINCT ON (topic, key) topic, last_error FROM postbox.messages WHERE ordered ORDER BY topic, key, id
-),
-stalled AS (SELECT topic, count(*) AS n FROM heads WHERE last_error IS NOT NULL GROUP BY topic)
-SELECT 'depth' AS metric, topic AS label, 'available' AS state, available::float8 AS value FROM live
-UNION ALL SELECT 'depth', topic, 'scheduled', scheduled::float8 FROM live
-UNION ALL SELECT 'depth', topic, 'running', running::float8 FROM live
-UNION ALL SELECT 'oldest_available', topic, '', oldest_available_secs FROM live WHERE oldest_available_secs IS NOT NULL
-UNION ALL SELECT 'dead', topic, '', n::float8 FROM dead
-UNION ALL SELECT 'stalled', topic, '', n::float8 FROM stalled
-UNION ALL SELECT 'dead_tuples', relname::text, '', n_dead_tup::float8 FROM pg_stat_user_tables WHERE schemaname = 'postbox'
-UNION ALL SELECT 'live_tuples', relname::text, '', n_live_tup::float8 FROM pg_stat_user_tables WHERE schemaname = 'postbox'
+/// The database's own figures: dead and live tuples of postbox's tables, the oldest transaction.
+const TABLE_FIGURES: &str = r#"
+SELECT 'dead_tuples' AS metric, relname::text AS label, '' AS state, n_dead_tup::float8 AS value
+FROM pg_stat_user_tables WHERE schemaname = 'postbox'
+UNION ALL SELECT 'live_tuples', relname::text, '', n_live_tup::float8
+FROM pg_stat_user_tables WHERE schemaname = 'postbox'
 UNION ALL SELECT 'oldest_transaction', '', '',
        coalesce(extract(epoch FROM max(now() - xact_start)), 0)::float8
        FROM pg_stat_activity
        WHERE pid <> pg_backend_pid() AND (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL)
-"#
-);
+"#;
+
+/// One relay computes the sample at a time; the others read what it stored.
+const SAMPLE_LEADER: &str = "SELECT CASE WHEN pg_try_advisory_xact_lock(1886352246)
+        AND coalesce((SELECT taken_at < now() - make_interval(secs => $1) FROM postbox.samples), true)
+    THEN 1 ELSE 0 END::bigint AS n";
+const SAMPLE_STORE: &str = "INSERT INTO postbox.samples (taken_at, body) VALUES (now(), $1::jsonb)
+    ON CONFLICT (singleton) DO UPDATE SET taken_at = excluded.taken_at, body = excluded.body";
+const SAMPLE_READ: &str = "SELECT body::text AS body FROM postbox.samples";
 
 /// Every object the store needs, as of the latest migration.
 const SCHEMA_READY: &str = "SELECT to_regclass('postbox.messages') IS NOT NULL
     AND to_regclass('postbox.dead_letters') IS NOT NULL
     AND to_regclass('postbox.listeners') IS NOT NULL
+    AND to_regclass('postbox.samples') IS NOT NULL
     AND to_regprocedure('postbox.claim(integer, double precision, boolean, text[], text[], text[], text[], bigint, text)') IS NOT NULL
+    AND to_regprocedure('postbox.promote_due(integer)') IS NOT NULL
     AS ready";
+
+type Conn = diesel_async::AsyncPgConnection;
+
+/// The live rows of `table` as the statistics system counts them.
+async fn live_estimate(conn: &mut Conn, table: &str) -> Result<i64> {
+    let r: N = diesel::sql_query(LIVE_ESTIMATE)
+        .bind::<Text, _>(table)
+        .get_result(conn)
+        .await?;
+    Ok(r.n)
+}
+
+/// The percentage of pages to sample for about [`SAMPLE_ROWS`] of `rows`.
+fn sample_percent(rows: i64) -> f64 {
+    (100.0 * SAMPLE_ROWS / rows.max(1) as f64).clamp(0.01, 100.0)
+}
+
+async fn exact_live(conn: &mut Conn) -> Result<Option<Vec<TopicStats>>> {
+    let rows: Vec<TopicStats> = diesel::sql_query(EXACT_LIVE)
+        .bind::<BigInt, _>(EXACT_LIMIT + 1)
+        .load(conn)
+        .await?;
+    let seen: i64 = rows
+        .iter()
+        .map(|t| t.available + t.scheduled + t.running + t.waiting)
+        .sum();
+    Ok((seen <= EXACT_LIMIT).then_some(rows))
+}
+
+async fn estimated_live(conn: &mut Conn, rows: i64) -> Result<Vec<TopicStats>> {
+    let mut by_topic: BTreeMap<String, TopicStats> = BTreeMap::new();
+    let pct = sample_percent(rows);
+    let sampled: Vec<Sampled> = diesel::sql_query(SAMPLE_LIVE)
+        .bind::<Double, _>(pct)
+        .load(conn)
+        .await?;
+    for s in sampled {
+        let t = topic_entry(&mut by_topic, &s.topic);
+        let n = (s.n as f64 * 100.0 / pct).round() as i64;
+        match s.state.as_str() {
+            "available" => t.available = n,
+            "scheduled" => t.scheduled = n,
+            "waiting" => t.waiting = n,
+            _ => {} // running: counted exactly below
+        }
+    }
+    let available: Vec<TopicCount> = diesel::sql_query(AVAILABLE_BY_INDEX)
+        .bind::<BigInt, _>(EXACT_LIMIT + 1)
+        .load(conn)
+        .await?;
+    for a in available {
+        let t = topic_entry(&mut by_topic, &a.topic);
+        if a.n <= EXACT_LIMIT {
+            t.available = a.n;
+        }
+        t.oldest_available_secs = a.oldest;
+    }
+    let running: Vec<TopicCount> = diesel::sql_query(RUNNING).load(conn).await?;
+    for r in running {
+        topic_entry(&mut by_topic, &r.topic).running = r.n;
+    }
+    Ok(by_topic.into_values().collect())
+}
+
+fn topic_entry<'a>(m: &'a mut BTreeMap<String, TopicStats>, topic: &str) -> &'a mut TopicStats {
+    m.entry(topic.to_owned()).or_insert_with(|| TopicStats {
+        topic: topic.to_owned(),
+        ..TopicStats::default()
+    })
+}
+
+/// Dead letters per topic, and whether they are estimated.
+async fn dead(conn: &mut Conn) -> Result<(Vec<TopicN>, bool)> {
+    let rows = live_estimate(conn, "postbox.dead_letters").await?;
+    if rows <= EXACT_LIMIT {
+        let exact: Vec<TopicN> = diesel::sql_query(EXACT_DEAD)
+            .bind::<BigInt, _>(EXACT_LIMIT + 1)
+            .load(conn)
+            .await?;
+        if exact.iter().map(|t| t.n).sum::<i64>() <= EXACT_LIMIT {
+            return Ok((exact, false));
+        }
+    }
+    let pct = sample_percent(rows);
+    let sampled: Vec<Sampled> = diesel::sql_query(SAMPLE_DEAD)
+        .bind::<Double, _>(pct)
+        .load(conn)
+        .await?;
+    Ok((
+        sampled
+            .into_iter()
+            .map(|s| TopicN {
+                topic: s.topic,
+                n: (s.n as f64 * 100.0 / pct).round() as i64,
+            })
+            .collect(),
+        true,
+    ))
+}
+
+/// The whole depth picture, on one connection, with the claim index's planner settings.
+async fn stats_on(conn: &mut Conn) -> Result<Stats> {
+    conn.transaction(async |conn| {
+        conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off")
+            .await?;
+        let rows = live_estimate(conn, "postbox.messages").await?;
+        let (mut topics, mut estimated) = match rows <= EXACT_LIMIT {
+            true => match exact_live(conn).await? {
+                Some(t) => (t, false),
+                None => (estimated_live(conn, rows.max(EXACT_LIMIT + 1)).await?, true),
+            },
+            false => (estimated_live(conn, rows).await?, true),
+        };
+        let (dead, dead_estimated) = dead(conn).await?;
+        estimated |= dead_estimated;
+        let mut by_topic: BTreeMap<String, TopicStats> =
+            topics.drain(..).map(|t| (t.topic.clone(), t)).collect();
+        for d in dead {
+            topic_entry(&mut by_topic, &d.topic).dead = d.n;
+        }
+        Ok::<_, crate::Error>(Stats {
+            topics: by_topic.into_values().collect(),
+            estimated,
+        })
+    })
+    .await
+}
 
 impl Store {
     /// Fails with [`crate::Error::Migration`] unless the database has postbox's schema as of the
@@ -203,17 +388,102 @@ impl Store {
             .await?)
     }
 
-    /// The figures of the database gauges (queue depth, oldest available age, dead letters,
-    /// stalled keys, dead and live tuples of postbox's tables, the oldest open transaction).
-    pub async fn sample(&self) -> Result<Vec<SampleRow>> {
-        let mut conn = self.conn().await?;
-        Ok(diesel::sql_query(SAMPLE).load(&mut conn).await?)
-    }
-
-    /// Depth per topic and state, the age of the oldest available message, dead letters.
+    /// Depth per topic and state, the age of the next available message, dead letters. Exact on
+    /// small tables, partly estimated on large ones ([`Stats::estimated`]).
     pub async fn stats(&self) -> Result<Stats> {
         let mut conn = self.conn().await?;
-        let topics = diesel::sql_query(STATS).load(&mut conn).await?;
-        Ok(Stats { topics })
+        stats_on(&mut conn).await
     }
+
+    /// The figures of the database gauges (queue depth, oldest available age, dead letters,
+    /// stalled keys, dead and live tuples of postbox's tables, the oldest open transaction).
+    ///
+    /// One relay at a time computes them, at most once per `every`, and stores them in
+    /// `postbox.samples`; the others read that copy. So the cost on the database does not grow
+    /// with the number of replicas.
+    pub async fn sample(&self, every: std::time::Duration) -> Result<Vec<SampleRow>> {
+        #[derive(QueryableByName)]
+        struct Body {
+            #[diesel(sql_type = Text)]
+            body: String,
+        }
+        let mut conn = self.conn().await?;
+        let body = conn
+            .transaction(async |conn| {
+                let lead: N = diesel::sql_query(SAMPLE_LEADER)
+                    .bind::<Double, _>(every.as_secs_f64() * 0.9)
+                    .get_result(conn)
+                    .await?;
+                if lead.n == 1 {
+                    let rows = compute_sample(conn).await?;
+                    let body = serde_json::to_string(&rows).expect("sample rows are JSON");
+                    diesel::sql_query(SAMPLE_STORE)
+                        .bind::<Text, _>(&body)
+                        .execute(conn)
+                        .await?;
+                    return Ok::<_, crate::Error>(Some(rows));
+                }
+                let stored: Option<Body> = diesel::sql_query(SAMPLE_READ)
+                    .get_result(conn)
+                    .await
+                    .map(Some)
+                    .or_else(|e| match e {
+                        diesel::result::Error::NotFound => Ok(None),
+                        e => Err(e),
+                    })?;
+                Ok(stored.and_then(|b| serde_json::from_str(&b.body).ok()))
+            })
+            .await?;
+        match body {
+            Some(rows) => Ok(rows),
+            // Nothing stored yet and another relay is computing it: compute without storing.
+            None => compute_sample(&mut conn).await,
+        }
+    }
+}
+
+async fn compute_sample(conn: &mut Conn) -> Result<Vec<SampleRow>> {
+    let stats = stats_on(conn).await?;
+    let mut rows = Vec::new();
+    for t in &stats.topics {
+        for (state, n) in [
+            ("available", t.available),
+            ("scheduled", t.scheduled),
+            ("running", t.running),
+            ("waiting", t.waiting),
+        ] {
+            rows.push(SampleRow {
+                metric: "depth".into(),
+                label: t.topic.clone(),
+                state: state.into(),
+                value: n as f64,
+            });
+        }
+        if let Some(age) = t.oldest_available_secs {
+            rows.push(SampleRow {
+                metric: "oldest_available".into(),
+                label: t.topic.clone(),
+                state: String::new(),
+                value: age,
+            });
+        }
+        if t.dead > 0 {
+            rows.push(SampleRow {
+                metric: "dead".into(),
+                label: t.topic.clone(),
+                state: String::new(),
+                value: t.dead as f64,
+            });
+        }
+    }
+    let stalled: Vec<TopicN> = diesel::sql_query(STALLED_PER_TOPIC).load(conn).await?;
+    rows.extend(stalled.into_iter().map(|s| SampleRow {
+        metric: "stalled".into(),
+        label: s.topic,
+        state: String::new(),
+        value: s.n as f64,
+    }));
+    let figures: Vec<SampleRow> = diesel::sql_query(TABLE_FIGURES).load(conn).await?;
+    rows.extend(figures);
+    Ok(rows)
 }
