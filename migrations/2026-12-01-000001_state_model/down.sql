@@ -7,8 +7,10 @@ DROP TABLE postbox.samples;
 DROP FUNCTION postbox.promote_due(integer);
 DROP FUNCTION postbox.claim_topic(text, integer, double precision, bigint, text);
 DROP FUNCTION postbox.available_topics(boolean, text[], text[], text[], text[]);
+DROP TRIGGER messages_heads_promoted ON postbox.messages;
+DROP FUNCTION postbox.promote_removed_heads();
 DROP TRIGGER messages_head_removed ON postbox.messages;
-DROP FUNCTION postbox.messages_after_delete();
+DROP FUNCTION postbox.note_removed_head();
 DROP TRIGGER messages_check_head ON postbox.messages;
 DROP FUNCTION postbox.messages_check_head();
 DROP TRIGGER messages_state ON postbox.messages;
@@ -60,6 +62,9 @@ END
 $$;
 
 DROP INDEX postbox.messages_stalled_idx;
+DROP INDEX postbox.messages_heads_idx;
+DROP INDEX postbox.messages_waiting_idx;
+CREATE INDEX messages_ordered_idx ON postbox.messages (topic, key, id) WHERE ordered;
 DROP INDEX postbox.messages_running_idx;
 DROP INDEX postbox.messages_scheduled_idx;
 DROP INDEX postbox.messages_available_idx;

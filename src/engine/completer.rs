@@ -35,6 +35,14 @@ pub(crate) enum SettleKind {
     Release,
 }
 
+/// Flushes written at once, each on its own connection: settling a batch can cost more than
+/// claiming it (an ordered head promotes the next message of its key), so one writer alone would
+/// cap the engine.
+const FLUSHES_IN_FLIGHT: usize = 3;
+
+/// Longest wait for the outcomes of running deliveries before a flush.
+const GATHER: Duration = Duration::from_millis(2);
+
 /// Runs until every sender is gone, then flushes what is left and returns.
 pub(crate) async fn run(
     store: Store,
@@ -43,20 +51,49 @@ pub(crate) async fn run(
     observer: Arc<dyn Observer>,
     sink: Arc<dyn crate::sink::Sink>,
     unwritten: Arc<AtomicUsize>,
+    written: Arc<tokio::sync::Notify>,
+    inflight: Arc<super::producer::InFlight>,
 ) {
+    let flushes = Arc::new(tokio::sync::Semaphore::new(FLUSHES_IN_FLIGHT));
+    let mut running = tokio::task::JoinSet::new();
     let mut buf = Vec::with_capacity(max_batch);
     while let Some(first) = rx.recv().await {
+        while running.try_join_next().is_some() {}
         buf.push(first);
+        // While deliveries are still running, wait a moment for their outcomes so that a batch
+        // is written as one statement rather than as many small ones (small flushes would make
+        // the claims that follow them small too, and keep them small).
+        let until = tokio::time::Instant::now() + GATHER;
         while buf.len() < max_batch {
             match rx.try_recv() {
                 Ok(s) => buf.push(s),
-                Err(_) => break,
+                Err(_) if inflight.len() == 0 => break,
+                Err(_) => match tokio::time::timeout_at(until, rx.recv()).await {
+                    Ok(Some(s)) => buf.push(s),
+                    Ok(None) | Err(_) => break,
+                },
             }
         }
         let n = buf.len();
-        flush(&store, &mut buf, &*observer, &*sink).await;
-        unwritten.fetch_sub(n, Ordering::AcqRel);
+        let permit = flushes
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        let mut batch = std::mem::replace(&mut buf, Vec::with_capacity(max_batch));
+        let (store, observer, sink) = (store.clone(), observer.clone(), sink.clone());
+        let (unwritten, written) = (unwritten.clone(), written.clone());
+        running.spawn(async move {
+            flush(&store, &mut batch, &*observer, &*sink).await;
+            unwritten.fetch_sub(n, Ordering::AcqRel);
+            // Outcomes can make messages claimable (the next of an ordered key, a retry due
+            // now): tell a claim loop rather than have it poll for it. `notify_one` keeps the
+            // wake-up for a loop that is busy claiming right now, so it is not lost.
+            written.notify_one();
+            drop(permit);
+        });
     }
+    while running.join_next().await.is_some() {}
 }
 
 /// Writes a batch, retrying on database errors (with back-off) until it is written: outcomes are

@@ -63,8 +63,8 @@ impl Rescuer {
 }
 
 /// Makes scheduled messages (delayed, or backing off after a failure) available when their
-/// `run_at` comes: it sleeps until the next one is due, at most `interval`, and wakes early when
-/// the engine is woken (a writer's NOTIFY may announce a message due sooner).
+/// `run_at` comes: it sleeps until the next one is due, at most `interval` (so a message scheduled
+/// meanwhile for sooner is late by at most `interval`).
 #[derive(Debug, Clone)]
 pub struct Scheduler {
     store: Store,
@@ -118,7 +118,6 @@ impl Scheduler {
             };
             tokio::select! {
                 _ = tokio::time::sleep(sleep) => {}
-                _ = self.wake.notified() => {}
                 _ = stop.cancelled() => return,
             }
         }

@@ -244,6 +244,7 @@ impl Engine {
         let inflight = Arc::new(InFlight::default());
         let unwritten = Arc::new(AtomicUsize::new(0));
         let (settle_tx, settle_rx) = tokio::sync::mpsc::channel(self.config.completer_batch * 2);
+        let wake = Arc::new(Notify::new());
         let completer = tokio::spawn(completer::run(
             self.store.clone(),
             settle_rx,
@@ -251,8 +252,9 @@ impl Engine {
             observer.clone(),
             self.sink.clone(),
             unwritten.clone(),
+            wake.clone(),
+            inflight.clone(),
         ));
-        let wake = Arc::new(Notify::new());
         let (notifier, notifier_task) = if self.listen && !self.config.drain {
             let obs = observer.clone();
             let (n, t) = notifier::Notifier::spawn(

@@ -14,6 +14,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::completer::{Settle, SettleKind};
 use super::config::{EngineConfig, LINGER_STEP};
+
+/// In drain mode, the longest wait for the completer before claiming again.
+const DRAIN_POLL: Duration = Duration::from_millis(20);
 use super::notifier::Notifier;
 use super::observer::Observer;
 use crate::sink::{Outcome, Sink, Unavailable};
@@ -197,6 +200,9 @@ impl Producer {
                 continue;
             };
             let want = (chunks * chunk).min(self.config.batch_size);
+            // Drain mode ends only on an empty claim made after every outcome was written (an
+            // outcome can make messages claimable: a retry due now, the next of an ordered key).
+            let idle_before = self.idle(&tasks);
             let batch = match self
                 .store
                 .claim(want, self.config.lease, &self.topics)
@@ -242,8 +248,12 @@ impl Producer {
                 }
             }
             if self.config.drain {
-                if self.drained(&mut tasks).await {
+                if got == 0 && idle_before && self.idle(&tasks) {
                     return tasks;
+                }
+                if got == 0 {
+                    // What is left comes from our own outcomes: the completer wakes us.
+                    self.pause(DRAIN_POLL).await;
                 }
                 continue;
             }
@@ -282,17 +292,9 @@ impl Producer {
         }
     }
 
-    /// Drain mode: true once nothing is in flight, every outcome is written and a claim still
-    /// finds nothing (an outcome may have made a message claimable again).
-    async fn drained(&self, tasks: &mut JoinSet<()>) -> bool {
-        if !tasks.is_empty()
-            || self.inflight.len() > 0
-            || self.unwritten.load(Ordering::Acquire) > 0
-        {
-            self.pause(LINGER_STEP).await;
-            return false;
-        }
-        true
+    /// True when nothing claimed is in flight and every outcome is written.
+    fn idle(&self, tasks: &JoinSet<()>) -> bool {
+        tasks.is_empty() && self.inflight.len() == 0 && self.unwritten.load(Ordering::Acquire) == 0
     }
 
     /// Starts one delivery per chunk, each holding one of the reserved permits.

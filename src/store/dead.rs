@@ -53,8 +53,9 @@ pub enum DeadSelector {
 pub struct ReplayReport {
     /// Back in `postbox.messages` with their original ids, attempts reset, claimable now.
     pub replayed: Vec<MessageId>,
-    /// Still dead: a live message of the same topic holds their dedup key (or another replay of
-    /// the same id won the race). Replay them once it is gone.
+    /// Still dead: a live message of the same topic holds their dedup key, or they are ordered
+    /// and a later message of their key is running now (they cannot go back in front of it), or
+    /// another replay of the same id won the race. Replay them once that is over.
     pub skipped: Vec<MessageId>,
 }
 
@@ -142,7 +143,8 @@ impl Store {
 
     /// Puts dead letters back into the queue with their original ids, attempts reset to 0 and
     /// claimable now. An ordered message keeps its place: it is the head of its key again, before
-    /// any later message of that key that has not started (one that is running finishes first).
+    /// any later message of that key that has not started (if one is running, the replay skips
+    /// the message: replay it again once that one is settled).
     pub async fn dead_replay(&self, selector: &DeadSelector) -> Result<ReplayReport> {
         let mut conn = self.conn().await?;
         let sql = replay_sql();

@@ -173,8 +173,8 @@ const STALLED: &str = r#"
 SELECT h.topic, h.key, h.id, h.attempts,
        extract(epoch FROM now() - h.created_at)::float8 AS age_secs, h.last_error,
        (SELECT count(*) FROM (SELECT 1 FROM postbox.messages w
-                              WHERE w.ordered AND w.topic = h.topic AND w.key = h.key
-                                AND w.state = 'waiting' LIMIT 100000) c) AS waiting
+                              WHERE w.state = 'waiting' AND w.topic = h.topic AND w.key = h.key
+                              LIMIT 100000) c) AS waiting
 FROM postbox.messages h
 WHERE h.ordered AND h.state <> 'waiting' AND h.last_error IS NOT NULL
 ORDER BY h.created_at

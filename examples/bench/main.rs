@@ -11,7 +11,13 @@
 //! 4. 8 writers for 10 s, each transaction one business row plus one message (with an engine
 //!    draining them), against the same transactions without the message.
 //!
+//! 5. `--only backlog` (not part of the default run: it builds tables of millions of rows): claim
+//!    latency on backlogs of every shape, the drain rate of ordered against unordered messages,
+//!    and the cost of `status` and of the metrics sample at 10M rows; see `backlog.rs`.
+//!
 //! The last lines are machine-readable, one figure a line.
+
+mod backlog;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -29,12 +35,16 @@ use tokio_util::sync::CancellationToken;
 struct Args {
     messages: usize,
     url: String,
-    /// Which parts to run: all by default; `--only drain|wakeup|tx` for one.
+    /// Which parts to run: all by default; `--only drain|wakeup|tx|kafka|backlog` for one.
     only: Option<String>,
     /// Claim loops of the draining engine (default: the engine's default).
     claimers: Option<usize>,
     /// Kafka bootstrap servers for `--only kafka` (a topic `bench` is created there).
     kafka: Option<String>,
+    /// Rows of each backlog shape for `--only backlog` (default 1,000,000).
+    backlog_rows: usize,
+    /// Rows for the `status` figure of `--only backlog` (default 10,000,000).
+    status_rows: usize,
 }
 
 fn args() -> Args {
@@ -44,6 +54,8 @@ fn args() -> Args {
         only: None,
         claimers: None,
         kafka: None,
+        backlog_rows: 1_000_000,
+        status_rows: 10_000_000,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -58,8 +70,20 @@ fn args() -> Args {
             "--only" => a.only = it.next(),
             "--kafka-brokers" => a.kafka = it.next(),
             "--claimers" => a.claimers = it.next().and_then(|v| v.parse().ok()),
+            "--backlog-rows" => {
+                a.backlog_rows = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--backlog-rows N")
+            }
+            "--status-rows" => {
+                a.status_rows = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--status-rows N")
+            }
             other => panic!(
-                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka] [--claimers N] [--kafka-brokers HOST:PORT]"
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N]"
             ),
         }
     }
@@ -78,7 +102,7 @@ fn ensure_database(url: &str) {
         .expect("create database");
 }
 
-fn reset(url: &str) {
+pub(crate) fn reset(url: &str) {
     let mut c = PgConnection::establish(url).unwrap();
     c.batch_execute(
         "TRUNCATE postbox.messages, postbox.dead_letters, postbox.listeners;
@@ -90,14 +114,14 @@ fn reset(url: &str) {
     c.batch_execute("VACUUM ANALYZE postbox.messages").unwrap();
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-async fn enqueue_noop(url: &str, n: usize) -> f64 {
+pub(crate) async fn enqueue_noop(url: &str, n: usize) -> f64 {
     let mut conn = AsyncPgConnection::establish(url).await.unwrap();
     let t = Instant::now();
     let mut left = n;
@@ -115,25 +139,79 @@ async fn enqueue_noop(url: &str, n: usize) -> f64 {
     rate
 }
 
-async fn drain_engine(url: &str, n: usize, claimers: Option<usize>) -> f64 {
+pub(crate) async fn drain_engine(url: &str, n: usize, claimers: Option<usize>) -> f64 {
     let handlers = Handlers::new().on("bench.noop", |_: Job<serde_json::Value>| async { Ok(()) });
     let engine = Engine::builder(url)
         .handlers(handlers)
         .config(EngineConfig {
-            batch_size: 1000,
             concurrency: 2000,
             claimers: claimers.unwrap_or(EngineConfig::default().claimers),
+            completer_batch: std::env::var("BENCH_COMPLETER_BATCH")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(EngineConfig::default().completer_batch),
+            batch_size: std::env::var("BENCH_BATCH")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1000),
             drain: true,
             ..Default::default()
         })
+        .observer(Arc::new(ClaimSizes::default()))
         .build()
         .await
         .unwrap();
     let t = Instant::now();
     let report = engine.run(CancellationToken::new()).await.unwrap();
+    if std::env::var("BENCH_DEBUG").is_ok() {
+        eprintln!("{:?}", report);
+    }
     let secs = t.elapsed().as_secs_f64();
     assert_eq!(report.delivered as usize, n, "{report:?}");
     n as f64 / secs
+}
+
+/// Counts claims and their sizes (BENCH_DEBUG prints them).
+#[derive(Default)]
+struct ClaimSizes {
+    log: Mutex<Vec<(Instant, usize)>>,
+    claims: AtomicU64,
+    empty: AtomicU64,
+    claimed: AtomicU64,
+}
+
+impl postbox::engine::Observer for ClaimSizes {
+    fn claimed(&self, n: usize) {
+        self.log.lock().unwrap().push((Instant::now(), n));
+        self.claims.fetch_add(1, Ordering::Relaxed);
+        self.claimed.fetch_add(n as u64, Ordering::Relaxed);
+        if n == 0 {
+            self.empty.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for ClaimSizes {
+    fn drop(&mut self) {
+        if std::env::var("BENCH_DEBUG").is_ok() {
+            eprintln!(
+                "claims {} (empty {}), claimed {}",
+                self.claims.load(Ordering::Relaxed),
+                self.empty.load(Ordering::Relaxed),
+                self.claimed.load(Ordering::Relaxed)
+            );
+            let log = self.log.lock().unwrap();
+            if let Some(first) = log.first() {
+                let line: Vec<String> = log
+                    .iter()
+                    .skip(100)
+                    .take(40)
+                    .map(|(t, n)| format!("{:.1}:{n}", (*t - first.0).as_secs_f64() * 1000.0))
+                    .collect();
+                eprintln!("{}", line.join(" "));
+            }
+        }
+    }
 }
 
 /// The baseline: the same claim and delete as plain SQL in a loop, batch 100, one connection.
@@ -149,9 +227,9 @@ fn drain_raw_sql(url: &str, n: usize) -> f64 {
     let mut done = 0;
     loop {
         let ids: Vec<Id> = diesel::sql_query(
-            "UPDATE postbox.messages m SET attempts = attempts + 1, locked_until = now() + interval '30 seconds',
-                    lease_token = 1
-             FROM (SELECT id FROM postbox.messages WHERE locked_until IS NULL AND run_at <= now()
+            "UPDATE postbox.messages m SET state = 'running', attempts = attempts + 1,
+                    locked_until = now() + interval '30 seconds', lease_token = 1
+             FROM (SELECT id FROM postbox.messages WHERE state = 'available' AND topic = 'bench.noop'
                    ORDER BY priority, id LIMIT 100 FOR UPDATE SKIP LOCKED) p
              WHERE m.id = p.id RETURNING m.id",
         )
@@ -435,6 +513,16 @@ async fn main() {
             "drain: raw SQL loop (claim batch 100 + delete, one connection): {raw_rates:.0?} msg/s"
         );
         println!("drain ratio engine/raw = {:.2}", drain / raw);
+    }
+
+    if a.only.as_deref() == Some("ordered-drain") {
+        let r = backlog::ordered_drain(&a.url).await;
+        println!("ordered_drain_ratio={r:.2}");
+        return;
+    }
+    if a.only.as_deref() == Some("backlog") {
+        backlog::run(&a.url, a.backlog_rows, a.status_rows).await;
+        return;
     }
 
     if a.only.as_deref() == Some("kafka") {
