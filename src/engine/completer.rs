@@ -43,17 +43,31 @@ const FLUSHES_IN_FLIGHT: usize = 3;
 /// Longest wait for the outcomes of running deliveries before a flush.
 const GATHER: Duration = Duration::from_millis(2);
 
+/// What the completer writes with, and whom it tells.
+pub(crate) struct Completer {
+    pub store: Store,
+    pub max_batch: usize,
+    pub observer: Arc<dyn Observer>,
+    pub sink: Arc<dyn crate::sink::Sink>,
+    /// Outcomes sent and not yet written (the producer's drain check).
+    pub unwritten: Arc<AtomicUsize>,
+    /// Woken after each flush.
+    pub written: Arc<tokio::sync::Notify>,
+    /// Deliveries still running (their outcomes are worth waiting a moment for).
+    pub inflight: Arc<super::producer::InFlight>,
+}
+
 /// Runs until every sender is gone, then flushes what is left and returns.
-pub(crate) async fn run(
-    store: Store,
-    mut rx: mpsc::Receiver<Settle>,
-    max_batch: usize,
-    observer: Arc<dyn Observer>,
-    sink: Arc<dyn crate::sink::Sink>,
-    unwritten: Arc<AtomicUsize>,
-    written: Arc<tokio::sync::Notify>,
-    inflight: Arc<super::producer::InFlight>,
-) {
+pub(crate) async fn run(c: Completer, mut rx: mpsc::Receiver<Settle>) {
+    let Completer {
+        store,
+        max_batch,
+        observer,
+        sink,
+        unwritten,
+        written,
+        inflight,
+    } = c;
     let flushes = Arc::new(tokio::sync::Semaphore::new(FLUSHES_IN_FLIGHT));
     let mut running = tokio::task::JoinSet::new();
     let mut buf = Vec::with_capacity(max_batch);

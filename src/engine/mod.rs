@@ -246,14 +246,16 @@ impl Engine {
         let (settle_tx, settle_rx) = tokio::sync::mpsc::channel(self.config.completer_batch * 2);
         let wake = Arc::new(Notify::new());
         let completer = tokio::spawn(completer::run(
-            self.store.clone(),
+            completer::Completer {
+                store: self.store.clone(),
+                max_batch: self.config.completer_batch,
+                observer: observer.clone(),
+                sink: self.sink.clone(),
+                unwritten: unwritten.clone(),
+                written: wake.clone(),
+                inflight: inflight.clone(),
+            },
             settle_rx,
-            self.config.completer_batch,
-            observer.clone(),
-            self.sink.clone(),
-            unwritten.clone(),
-            wake.clone(),
-            inflight.clone(),
         ));
         let (notifier, notifier_task) = if self.listen && !self.config.drain {
             let obs = observer.clone();
