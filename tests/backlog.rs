@@ -523,3 +523,43 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
     );
     assert_eq!(postbox::migrate(&mut conn).unwrap().len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_mode_delivers_every_message_of_ordered_keys_before_it_stops() {
+    let db = TestDb::migrated();
+    let msgs: Vec<Message> = (0..2_200)
+        .map(|i| {
+            Message::new("t")
+                .key(format!("k{}", i % 20))
+                .ordered()
+                .payload(&i)
+        })
+        .collect();
+    enqueue(&db, msgs);
+    let seen: Arc<Mutex<HashMap<String, Vec<i64>>>> = Default::default();
+    let s = seen.clone();
+    let handlers = Handlers::new().on("t", move |job: Job<i64>| {
+        let s = s.clone();
+        async move {
+            let key = job.key.clone().unwrap_or_default();
+            s.lock().unwrap().entry(key).or_default().push(job.payload);
+            Ok(())
+        }
+    });
+    let engine = Engine::builder(db.url.clone())
+        .handlers(handlers)
+        .batch_size(50)
+        .drain(true)
+        .build()
+        .await
+        .unwrap();
+    let report = engine.run(CancellationToken::new()).await.unwrap();
+    assert_eq!(report.delivered, 2_200, "{report:?}");
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+    for (key, payloads) in seen.lock().unwrap().iter() {
+        assert!(
+            payloads.windows(2).all(|w| w[0] < w[1]),
+            "{key} out of order"
+        );
+    }
+}
