@@ -563,3 +563,22 @@ async fn drain_mode_delivers_every_message_of_ordered_keys_before_it_stops() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scheduler_knows_when_the_next_message_is_due_and_when_none_is() {
+    let db = TestDb::migrated();
+    let store = db.store().await;
+    let idle = store.promote_due().await.unwrap();
+    assert_eq!(
+        (idle.promoted, idle.next_due),
+        (0, None),
+        "nothing scheduled"
+    );
+    enqueue(&db, vec![Message::new("t").delay(Duration::from_secs(60))]);
+    let later = store.promote_due().await.unwrap();
+    let due = later.next_due.expect("one scheduled message");
+    assert!(
+        due > Duration::from_secs(55) && due <= Duration::from_secs(60),
+        "{due:?}"
+    );
+}

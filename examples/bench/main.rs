@@ -316,7 +316,7 @@ async fn wakeup(url: &str, rate: u64, secs: u64) -> Vec<f64> {
 }
 
 /// Transactions a second of 8 writers over `secs`: one business row, plus one message if asked.
-async fn writers(url: &str, with_message: bool, secs: u64) -> f64 {
+async fn writers(url: &str, with_message: bool, ordered: bool, secs: u64) -> f64 {
     let stop = Arc::new(AtomicBool::new(false));
     let count = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
@@ -337,9 +337,12 @@ async fn writers(url: &str, with_message: bool, secs: u64) -> f64 {
                     .execute(c)
                     .await?;
                     if with_message {
-                        let m = Message::new("bench.order")
-                            .key(format!("c{w}"))
+                        let mut m = Message::new("bench.order")
+                            .key(format!("c{w}-{}", i % 100))
                             .payload(&serde_json::json!({"n": i}));
+                        if ordered {
+                            m = m.ordered();
+                        }
                         postbox::enqueue_async(c, &m).await?;
                     }
                     Ok::<_, postbox::Error>(())
@@ -474,8 +477,8 @@ async fn main() {
     postbox::migrate(&mut PgConnection::establish(&a.url).unwrap()).unwrap();
     let n = a.messages;
     let run = |part: &str| a.only.as_deref().is_none_or(|o| o == part);
-    let (mut enqueue, mut drain, mut p50, mut p99, mut ratio) =
-        (f64::NAN, f64::NAN, f64::NAN, f64::NAN, f64::NAN);
+    let (mut enqueue, mut drain, mut p50, mut p99, mut ratio, mut ordered_ratio) =
+        (f64::NAN, f64::NAN, f64::NAN, f64::NAN, f64::NAN, f64::NAN);
 
     if run("drain") {
         // Side by side, twice, alternating which goes first.
@@ -554,21 +557,26 @@ async fn main() {
     if run("tx") {
         let mut plain = Vec::new();
         let mut unconsumed = Vec::new();
+        let mut ordered = Vec::new();
         for _ in 0..2 {
             reset(&a.url);
-            plain.push(writers(&a.url, false, 10).await);
+            plain.push(writers(&a.url, false, false, 10).await);
             reset(&a.url);
-            unconsumed.push(writers(&a.url, true, 10).await);
+            unconsumed.push(writers(&a.url, true, false, 10).await);
+            reset(&a.url);
+            ordered.push(writers(&a.url, true, true, 10).await);
         }
         reset(&a.url);
         let notifies = Arc::new(AtomicU64::new(0));
         let counting = count_notifications(&a.url, notifies.clone()).await;
-        let (relayed_tx, relayed) = with_engine(&a.url, writers(&a.url, true, 10)).await;
+        let (relayed_tx, relayed) = with_engine(&a.url, writers(&a.url, true, false, 10)).await;
         counting.abort();
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
         ratio = mean(&unconsumed) / mean(&plain);
+        ordered_ratio = mean(&ordered) / mean(&plain);
         println!(
-            "8 writers, 10 s a run: business row only {plain:.0?} tx/s; + one message {unconsumed:.0?} tx/s"
+            "8 writers, 10 s a run: business row only {plain:.0?} tx/s; + one message {unconsumed:.0?} tx/s; + one ordered message {ordered:.0?} tx/s ({:.2} of plain)",
+            mean(&ordered) / mean(&plain)
         );
         println!(
             "  + one message with an engine relaying them: {relayed_tx:.0} tx/s ({:.2} of plain), {relayed} relayed, {} NOTIFYs sent",
@@ -582,4 +590,5 @@ async fn main() {
     println!("wakeup_p50_ms={p50:.2}");
     println!("wakeup_p99_ms={p99:.2}");
     println!("enqueue_tx_ratio={ratio:.2}");
+    println!("enqueue_tx_ratio_ordered={ordered_ratio:.2}");
 }
