@@ -179,7 +179,7 @@ pub async fn ordered_drain(url: &str) -> f64 {
 }
 
 /// `status` and the metrics sample (median ms) at `status_rows` rows.
-async fn status_at_scale(url: &str, store: &Store, status_rows: usize) -> (f64, f64) {
+pub async fn status_at_scale(url: &str, store: &Store, status_rows: usize) -> (f64, f64) {
     reset(url);
     let t = Instant::now();
     let scheduled = status_rows * 3 / 10;

@@ -523,6 +523,13 @@ async fn main() {
         println!("ordered_drain_ratio={r:.2}");
         return;
     }
+    if a.only.as_deref() == Some("status") {
+        let store = postbox::Store::connect(&a.url, 4).await.unwrap();
+        let (status, sample) = backlog::status_at_scale(&a.url, &store, a.status_rows).await;
+        println!("status_ms_10m={status:.1}");
+        println!("sample_ms_10m={sample:.1}");
+        return;
+    }
     if a.only.as_deref() == Some("backlog") {
         backlog::run(&a.url, a.backlog_rows, a.status_rows).await;
         return;

@@ -28,7 +28,9 @@ pub use self::{
     listen::{listen, register_listener, unregister_listener},
     schedule::{PROMOTE_BATCH, Promoted},
     settle::{Dead, RESCUE_BATCH, Retry, RetryReport, Settled},
-    stats::{EXACT_LIMIT, SAMPLE_ROWS, SampleRow, StalledKey, Stats, TopicStats},
+    stats::{
+        EXACT_LIMIT, SAMPLE_ROWS, SampleRow, StalledKey, Stats, TOPIC_EXACT_LIMIT, TopicStats,
+    },
 };
 
 #[cfg(feature = "async")]

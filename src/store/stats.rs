@@ -20,6 +20,9 @@ use crate::error::Result;
 pub const EXACT_LIMIT: i64 = 50_000;
 /// About this many rows are sampled to estimate the figures of a larger table.
 pub const SAMPLE_ROWS: f64 = 20_000.0;
+/// On a large table, a topic's available messages are counted exactly through the claim index up
+/// to this many (a small topic may be missed by the sample); above, the sample's estimate is used.
+pub const TOPIC_EXACT_LIMIT: i64 = 1_000;
 
 /// Depth of one topic.
 #[derive(Debug, Clone, Default, PartialEq, QueryableByName, serde::Serialize)]
@@ -275,12 +278,12 @@ async fn estimated_live(conn: &mut Conn, rows: i64) -> Result<Vec<TopicStats>> {
         }
     }
     let available: Vec<TopicCount> = diesel::sql_query(AVAILABLE_BY_INDEX)
-        .bind::<BigInt, _>(EXACT_LIMIT + 1)
+        .bind::<BigInt, _>(TOPIC_EXACT_LIMIT + 1)
         .load(conn)
         .await?;
     for a in available {
         let t = topic_entry(&mut by_topic, &a.topic);
-        if a.n <= EXACT_LIMIT {
+        if a.n <= TOPIC_EXACT_LIMIT {
             t.available = a.n;
         }
         t.oldest_available_secs = a.oldest;
