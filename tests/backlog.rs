@@ -589,3 +589,25 @@ async fn the_scheduler_knows_when_the_next_message_is_due_and_when_none_is() {
         "{due:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_deleted_by_hand_promotes_the_next_as_the_relay_does() {
+    let db = TestDb::migrated();
+    let ids = enqueue(
+        &db,
+        vec![
+            Message::new("t").key("k").ordered(),
+            Message::new("t").key("k").ordered(),
+            Message::new("t").key("j").ordered(),
+            Message::new("t").key("j").ordered(),
+        ],
+    );
+    // Another tool's connection: no session setting, the triggers promote.
+    db.exec(&format!(
+        "DELETE FROM postbox.messages WHERE id IN ({}, {})",
+        ids[0], ids[2]
+    ));
+    let store = db.store().await;
+    let got = store.claim(10, LEASE, &Topics::all()).await.unwrap();
+    assert_eq!(ids_of(&got), vec![ids[1], ids[3]]);
+}

@@ -10,7 +10,7 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 /// crash that loses the last few of them loses nothing: a lost claim leaves the message pending, a
 /// lost completion or retry leaves it leased until its lease expires and it is delivered again.
 /// The enqueue, which must be durable, runs in the app's transaction on the app's connection.
-const SESSION: &str = "SET synchronous_commit = off; SET application_name = 'postbox'";
+const SESSION: &str = "SET synchronous_commit = off; SET application_name = 'postbox'; SET postbox.promotes_heads = 'caller'";
 
 /// How the URL asks for TLS (`sslmode`), the libpq way.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -64,12 +64,34 @@ struct IdDeadRow {
     dead: bool,
 }
 
-const COMPLETE: &str = r#"
-DELETE FROM postbox.messages m
-USING unnest($1::bigint[], $2::bigint[]) AS d(id, token)
-WHERE m.id = d.id AND m.lease_token = d.token
-RETURNING m.id
-"#;
+/// The removed heads of ordered keys (in a CTE `$from` of removed rows) promote the next message
+/// of their keys: one call for the whole statement (see `postbox.promote_after`; the session
+/// setting `postbox.promotes_heads = 'caller'` of the store's connections tells the delete trigger
+/// that it need not).
+macro_rules! promote_heads_cte {
+    ($from:literal) => {
+        concat!(
+            "heads AS (SELECT postbox.promote_after(array_agg(topic), array_agg(key), array_agg(id)) AS promoted FROM ",
+            $from,
+            " WHERE ordered AND state <> 'waiting')"
+        )
+    };
+}
+
+const COMPLETE: &str = concat!(
+    r#"
+WITH gone AS (
+    DELETE FROM postbox.messages m
+    USING unnest($1::bigint[], $2::bigint[]) AS d(id, token)
+    WHERE m.id = d.id AND m.lease_token = d.token
+    RETURNING m.id, m.topic, m.key, m.ordered, m.state
+),
+"#,
+    promote_heads_cte!("gone"),
+    r#"
+SELECT gone.id FROM gone, heads
+"#
+);
 
 /// Columns copied from a message into its dead letter (without the reason columns).
 macro_rules! dead_columns {
@@ -107,6 +129,9 @@ exhausted AS (
     WHERE m.id = i.id AND m.lease_token = i.token AND m.attempts >= m.max_attempts
     RETURNING m.*, i.error AS error
 ),
+"#,
+    promote_heads_cte!("exhausted"),
+    r#",
 buried AS (
     INSERT INTO postbox.dead_letters ("#,
     dead_columns!(),
@@ -115,7 +140,7 @@ buried AS (
     dead_columns!(),
     r#", coalesce(first_error, error), error,
            format('attempts exhausted (%s of %s): %s', attempts, max_attempts, error)
-    FROM exhausted
+    FROM exhausted, heads
     RETURNING id
 ),
 retried AS (
@@ -146,14 +171,17 @@ gone AS (
     DELETE FROM postbox.messages m USING input i
     WHERE m.id = i.id AND m.lease_token = i.token
     RETURNING m.*, i.reason AS dead_reason
-)
+),
+"#,
+    promote_heads_cte!("gone"),
+    r#"
 INSERT INTO postbox.dead_letters ("#,
     dead_columns!(),
     r#", first_error, last_error, reason)
 SELECT "#,
     dead_columns!(),
     r#", coalesce(first_error, dead_reason), dead_reason, dead_reason
-FROM gone
+FROM gone, heads
 RETURNING id
 "#
 );
@@ -190,6 +218,9 @@ exhausted AS (
     WHERE m.id = e.id AND m.attempts >= m.max_attempts
     RETURNING m.*
 ),
+"#,
+    promote_heads_cte!("exhausted"),
+    r#",
 buried AS (
     INSERT INTO postbox.dead_letters ("#,
     dead_columns!(),
@@ -199,7 +230,7 @@ buried AS (
     r#", coalesce(first_error, format('lease expired on attempt %s (held by %s)', attempts, locked_by)),
            format('lease expired on attempt %s (held by %s)', attempts, locked_by),
            format('attempts exhausted (%s of %s): lease expired (held by %s)', attempts, max_attempts, locked_by)
-    FROM exhausted
+    FROM exhausted, heads
     RETURNING id
 ),
 back AS (
