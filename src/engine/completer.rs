@@ -71,21 +71,17 @@ pub(crate) async fn run(c: Completer, mut rx: mpsc::Receiver<Settle>) {
     let flushes = Arc::new(tokio::sync::Semaphore::new(FLUSHES_IN_FLIGHT));
     let mut running = tokio::task::JoinSet::new();
     let mut buf = Vec::with_capacity(max_batch);
-    while let Some(first) = rx.recv().await {
+    while rx.recv_many(&mut buf, max_batch).await > 0 {
         while running.try_join_next().is_some() {}
-        buf.push(first);
         // While deliveries are still running, wait a moment for their outcomes so that a batch
         // is written as one statement rather than as many small ones (small flushes would make
         // the claims that follow them small too, and keep them small).
         let until = tokio::time::Instant::now() + GATHER;
-        while buf.len() < max_batch {
-            match rx.try_recv() {
-                Ok(s) => buf.push(s),
-                Err(_) if inflight.len() == 0 => break,
-                Err(_) => match tokio::time::timeout_at(until, rx.recv()).await {
-                    Ok(Some(s)) => buf.push(s),
-                    Ok(None) | Err(_) => break,
-                },
+        while buf.len() < max_batch && inflight.len() > 0 {
+            let room = max_batch - buf.len();
+            match tokio::time::timeout_at(until, rx.recv_many(&mut buf, room)).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
             }
         }
         let n = buf.len();
