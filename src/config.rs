@@ -57,6 +57,9 @@ pub struct RelaySection {
     pub lease: Option<Duration>,
     #[serde(default, with = "opt_duration")]
     pub poll_interval: Option<Duration>,
+    /// Longest sleep of the scheduler that makes due scheduled messages available.
+    #[serde(default, with = "opt_duration")]
+    pub schedule_interval: Option<Duration>,
     #[serde(default, with = "opt_duration")]
     pub shutdown_deadline: Option<Duration>,
 }
@@ -288,6 +291,9 @@ impl Config {
         engine.concurrency = r.concurrency.unwrap_or(defaults::DEFAULT_CONCURRENCY);
         engine.lease = r.lease.unwrap_or(defaults::DEFAULT_LEASE);
         engine.poll_interval = r.poll_interval.unwrap_or(defaults::DEFAULT_POLL_INTERVAL);
+        engine.schedule_interval = r
+            .schedule_interval
+            .unwrap_or(defaults::DEFAULT_SCHEDULE_INTERVAL);
         engine.shutdown_deadline = r
             .shutdown_deadline
             .unwrap_or(defaults::DEFAULT_SHUTDOWN_DEADLINE);
@@ -415,6 +421,7 @@ impl Settings {
                 concurrency: Some(self.engine.concurrency),
                 lease: Some(self.engine.lease),
                 poll_interval: Some(self.engine.poll_interval),
+                schedule_interval: Some(self.engine.schedule_interval),
                 shutdown_deadline: Some(self.engine.shutdown_deadline),
             },
             metrics: MetricsSection {
@@ -525,6 +532,12 @@ sink = "log"
         assert_eq!(s.engine.batch_size, 500);
         assert_eq!(s.engine.concurrency, 64);
         assert_eq!(s.engine.lease, Duration::from_secs(30));
+        assert_eq!(s.engine.schedule_interval, Duration::from_millis(100));
+        let tuned = Config::from_toml("[relay]\nschedule_interval = \"250ms\"\n")
+            .unwrap()
+            .resolve(Overrides::default())
+            .unwrap();
+        assert_eq!(tuned.engine.schedule_interval, Duration::from_millis(250));
         assert_eq!(s.routes.len(), 2);
         assert_eq!(s.kafka.unwrap().properties["compression.type"], "lz4");
     }
@@ -551,6 +564,10 @@ sink = "log"
                 .field
         };
         assert_eq!(bad("[relay]\nbatch_size = 0\n"), "relay.batch_size");
+        assert_eq!(
+            bad("[relay]\nschedule_interval = \"1ms\"\n"),
+            "relay.schedule_interval"
+        );
         assert_eq!(bad("[relay]\nlease = \"30 parsecs\"\n"), "relay.lease");
         assert_eq!(bad("[metrics]\nlisten = \"nowhere\"\n"), "metrics.listen");
         assert_eq!(
