@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{TestDb, eventually};
+use common::{TestDb, enqueue, eventually};
 use diesel::connection::SimpleConnection;
 use diesel::{Connection, PgConnection};
 use postbox::engine::Engine;
@@ -23,14 +23,6 @@ const BATCH: usize = 100;
 
 fn ids_of(msgs: &[postbox::store::ClaimedMessage]) -> Vec<i64> {
     msgs.iter().map(|m| m.id).collect()
-}
-
-fn enqueue(db: &TestDb, msgs: Vec<Message>) -> Vec<i64> {
-    postbox::enqueue_many(&mut db.conn(), &msgs)
-        .unwrap()
-        .into_iter()
-        .map(|e| e.id().unwrap())
-        .collect()
 }
 
 /// Every "actual ... rows=N" of the index scans in a plan, and every "Rows Removed by Filter: N".

@@ -7,20 +7,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::TestDb;
+use common::{TestDb, enqueue};
 use diesel_async::SimpleAsyncConnection;
 use postbox::store::{Dead, DeadSelector, Retry};
 use postbox::{Backoff, Message, Store, Topics};
 
 const LEASE: Duration = Duration::from_secs(30);
-
-fn enqueue(db: &TestDb, msgs: Vec<Message>) -> Vec<i64> {
-    postbox::enqueue_many(&mut db.conn(), &msgs)
-        .unwrap()
-        .into_iter()
-        .map(|e| e.id().unwrap())
-        .collect()
-}
 
 /// Makes every message claimable now (the test's stand-in for waiting out a backoff).
 fn make_due(db: &TestDb) {

@@ -146,72 +146,18 @@ pub(crate) async fn drain_engine(url: &str, n: usize, claimers: Option<usize>) -
         .config(EngineConfig {
             concurrency: 2000,
             claimers: claimers.unwrap_or(EngineConfig::default().claimers),
-            completer_batch: std::env::var("BENCH_COMPLETER_BATCH")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(EngineConfig::default().completer_batch),
-            batch_size: std::env::var("BENCH_BATCH")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(1000),
+            batch_size: 1000,
             drain: true,
             ..Default::default()
         })
-        .observer(Arc::new(ClaimSizes::default()))
         .build()
         .await
         .unwrap();
     let t = Instant::now();
     let report = engine.run(CancellationToken::new()).await.unwrap();
-    if std::env::var("BENCH_DEBUG").is_ok() {
-        eprintln!("{:?}", report);
-    }
     let secs = t.elapsed().as_secs_f64();
     assert_eq!(report.delivered as usize, n, "{report:?}");
     n as f64 / secs
-}
-
-/// Counts claims and their sizes (BENCH_DEBUG prints them).
-#[derive(Default)]
-struct ClaimSizes {
-    log: Mutex<Vec<(Instant, usize)>>,
-    claims: AtomicU64,
-    empty: AtomicU64,
-    claimed: AtomicU64,
-}
-
-impl postbox::engine::Observer for ClaimSizes {
-    fn claimed(&self, n: usize) {
-        self.log.lock().unwrap().push((Instant::now(), n));
-        self.claims.fetch_add(1, Ordering::Relaxed);
-        self.claimed.fetch_add(n as u64, Ordering::Relaxed);
-        if n == 0 {
-            self.empty.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-}
-
-impl Drop for ClaimSizes {
-    fn drop(&mut self) {
-        if std::env::var("BENCH_DEBUG").is_ok() {
-            eprintln!(
-                "claims {} (empty {}), claimed {}",
-                self.claims.load(Ordering::Relaxed),
-                self.empty.load(Ordering::Relaxed),
-                self.claimed.load(Ordering::Relaxed)
-            );
-            let log = self.log.lock().unwrap();
-            if let Some(first) = log.first() {
-                let line: Vec<String> = log
-                    .iter()
-                    .skip(100)
-                    .take(40)
-                    .map(|(t, n)| format!("{:.1}:{n}", (*t - first.0).as_secs_f64() * 1000.0))
-                    .collect();
-                eprintln!("{}", line.join(" "));
-            }
-        }
-    }
 }
 
 /// The baseline: the same claim and delete as plain SQL in a loop, batch 100, one connection.

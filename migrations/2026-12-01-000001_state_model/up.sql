@@ -178,10 +178,6 @@ CREATE TRIGGER messages_state BEFORE INSERT ON postbox.messages
 -- writer promotes the first waiting message of the key itself.
 CREATE FUNCTION postbox.messages_check_head() RETURNS trigger
 LANGUAGE plpgsql
-SET enable_seqscan = off
-SET enable_bitmapscan = off
-SET enable_sort = off
-SET jit = off
 AS $$
 BEGIN
     PERFORM pg_advisory_xact_lock(1886352245, postbox.key_lock_id(NEW.topic, NEW.key));
@@ -284,7 +280,9 @@ END
 $$;
 
 CREATE TRIGGER messages_heads_promoted AFTER DELETE ON postbox.messages
-    FOR EACH STATEMENT EXECUTE FUNCTION postbox.promote_removed_heads();
+    FOR EACH STATEMENT
+    WHEN (current_setting('postbox.promotes_heads', true) IS DISTINCT FROM 'caller')
+    EXECUTE FUNCTION postbox.promote_removed_heads();
 
 -- Topics that the filter lets through: exact names as given (less exclusions); with patterns (or
 -- all topics) the distinct topics that have available messages now, found by walking

@@ -14,13 +14,13 @@ use tokio_util::sync::CancellationToken;
 
 use super::completer::{Settle, SettleKind};
 use super::config::{EngineConfig, LINGER_STEP};
-
-/// In drain mode, the longest wait for the completer before claiming again.
-const DRAIN_POLL: Duration = Duration::from_millis(20);
 use super::notifier::Notifier;
 use super::observer::Observer;
 use crate::sink::{Outcome, Sink, Unavailable};
 use crate::store::{ClaimedMessage, Lease, Store, Topics};
+
+/// In drain mode, the longest wait for the completer before claiming again.
+const DRAIN_POLL: Duration = Duration::from_millis(20);
 
 /// Messages claimed by this engine whose outcome has not reached the completer yet.
 #[derive(Default)]

@@ -137,17 +137,6 @@ impl Topics {
         out
     }
 
-    /// The one exact topic of a filter that has nothing else (no patterns, no exclusions):
-    /// claimed without the topic-sharing of `postbox.claim`. Empty otherwise.
-    fn single_topic(&self) -> &[String] {
-        let plain = !self.all && self.like.is_empty();
-        let unexcluded = self.not_exact.is_empty() && self.not_like.is_empty();
-        match &self.exact[..] {
-            one @ [_] if plain && unexcluded => one,
-            _ => &[],
-        }
-    }
-
     /// True if nothing can match.
     pub fn is_empty(&self) -> bool {
         !self.all && self.exact.is_empty() && self.like.is_empty()
@@ -265,14 +254,6 @@ SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, ma
 FROM postbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9)
 "#;
 
-/// The claim of a single topic: `postbox.claim` would call this for it (one function call, and one
-/// copy of the rows, fewer).
-const CLAIM_TOPIC: &str = r#"
-SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
-       created_at, locked_until, lease_token, last_error, dedup_key
-FROM postbox.claim_topic($1, $2, $3, $4, $5)
-"#;
-
 /// The statement inside `postbox.claim_topic` (one topic's claim), as deployed.
 const CLAIM_TOPIC_BODY: &str = "SELECT prosrc AS body FROM pg_proc WHERE oid = 'postbox.claim_topic(text, integer, double precision, bigint, text)'::regprocedure";
 
@@ -314,18 +295,6 @@ impl Store {
         let mut conn = self.conn().await?;
         let batch = i32::try_from(batch).unwrap_or(i32::MAX);
         let token = fastrand::i64(..);
-        if let [topic] = topics.single_topic() {
-            let mut rows: Vec<ClaimedMessage> = diesel::sql_query(CLAIM_TOPIC)
-                .bind::<Text, _>(topic)
-                .bind::<Integer, _>(batch)
-                .bind::<Double, _>(lease.as_secs_f64())
-                .bind::<BigInt, _>(token)
-                .bind::<Text, _>(&*self.owner)
-                .load(&mut conn)
-                .await?;
-            rows.sort_unstable_by_key(|m| (m.priority, m.id));
-            return Ok(rows);
-        }
         let mut rows: Vec<ClaimedMessage> = diesel::sql_query(CLAIM)
             .bind::<Integer, _>(batch)
             .bind::<Double, _>(lease.as_secs_f64())

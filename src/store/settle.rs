@@ -65,13 +65,13 @@ struct IdDeadRow {
 }
 
 /// The removed heads of ordered keys (in a CTE `$from` of removed rows) promote the next message
-/// of their keys: one call for the whole statement (see `postbox.promote_after`; the session
+/// of their keys: one call for the whole statement, none when no head was removed (see `postbox.promote_after`; the session
 /// setting `postbox.promotes_heads = 'caller'` of the store's connections tells the delete trigger
 /// that it need not).
 macro_rules! promote_heads_cte {
     ($from:literal) => {
         concat!(
-            "heads AS (SELECT postbox.promote_after(array_agg(topic), array_agg(key), array_agg(id)) AS promoted FROM ",
+            "heads AS (SELECT CASE WHEN count(*) > 0 THEN postbox.promote_after(array_agg(topic), array_agg(key), array_agg(id)) END AS promoted FROM ",
             $from,
             " WHERE ordered AND state <> 'waiting')"
         )

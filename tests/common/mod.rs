@@ -189,6 +189,15 @@ impl Drop for TestDb {
     }
 }
 
+/// Enqueues `msgs` in one call on a connection of its own; their ids.
+pub fn enqueue(db: &TestDb, msgs: Vec<postbox::Message>) -> Vec<i64> {
+    postbox::enqueue_many(&mut db.conn(), &msgs)
+        .unwrap()
+        .into_iter()
+        .map(|e| e.id().unwrap())
+        .collect()
+}
+
 /// Polls `check` until it returns true or `deadline` passes; returns whether it became true.
 pub async fn eventually<F, Fut>(deadline: Duration, mut check: F) -> bool
 where
