@@ -299,6 +299,85 @@ async fn a_settling_head_promotes_the_next_and_a_replayed_head_goes_back_in_fron
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completing_heads_hands_the_next_message_of_their_keys_to_the_caller() {
+    let db = TestDb::migrated();
+    let k = |key: &str| Message::new("t").key(key).ordered().payload(key);
+    let ids = enqueue(
+        &db,
+        vec![
+            k("a"),
+            k("b"),
+            k("c"),
+            k("d"),
+            k("a"),
+            k("b"),
+            k("c"),
+            k("d").delay(Duration::from_secs(3600)),
+            k("a"),
+        ],
+    );
+    let (a1, b1, c1, d1, a2, b2, c2, d2, a3) = (
+        ids[0], ids[1], ids[2], ids[3], ids[4], ids[5], ids[6], ids[7], ids[8],
+    );
+    let store = db.store().await;
+    let all = Topics::all();
+    let heads = store.claim(10, LEASE, &all).await.unwrap();
+    assert_eq!(ids_of(&heads), vec![a1, b1, c1, d1]);
+    let leases: Vec<_> = heads.iter().map(|m| m.lease()).collect();
+
+    // Room for two: the first two next messages that are due are leased to the caller at once.
+    let (settled, next) = store.complete_and_take(&leases, 2, LEASE).await.unwrap();
+    assert_eq!(settled.done.len(), 4);
+    assert!(settled.fenced.is_empty());
+    assert_eq!(ids_of(&next), vec![a2, b2]);
+    for m in &next {
+        assert_eq!(
+            m.attempts, 1,
+            "a hand-over uses an attempt, as a claim does"
+        );
+        assert!(m.locked_until > chrono::Utc::now() + chrono::Duration::seconds(20));
+        assert_eq!(m.lease_token, next[0].lease_token);
+        assert_ne!(m.lease_token, heads[0].lease_token);
+    }
+    assert_eq!(next[0].payload, serde_json::json!("a"));
+    assert_eq!(next[1].payload, serde_json::json!("b"));
+    let state_of = |id: i64| {
+        db.scalar(&format!(
+            "SELECT (CASE state WHEN 'available' THEN 1 WHEN 'scheduled' THEN 2 WHEN 'running' THEN 3 ELSE 4 END)::bigint AS v
+             FROM postbox.messages WHERE id = {id}"
+        ))
+    };
+    // The others are promoted as without a hand-over: c2 claimable, d2 scheduled, a3 waits.
+    assert_eq!(
+        [a2, b2, c2, d2, a3].map(state_of),
+        [3, 3, 1, 2, 4],
+        "running, running, available, scheduled, waiting"
+    );
+    assert_eq!(
+        ids_of(&store.claim(10, LEASE, &all).await.unwrap()),
+        vec![c2]
+    );
+
+    // A handed-over lease settles like a claimed one: completing a2 hands a3 over in turn.
+    let (settled, next2) = store
+        .complete_and_take(&[next[0].lease()], 5, LEASE)
+        .await
+        .unwrap();
+    assert_eq!(settled.done, vec![a2]);
+    assert_eq!(ids_of(&next2), vec![a3]);
+
+    // A stale lease deletes nothing and hands nothing over.
+    let stale = postbox::store::Lease {
+        id: b2,
+        token: next[1].lease_token ^ 1,
+    };
+    let (settled, next3) = store.complete_and_take(&[stale], 5, LEASE).await.unwrap();
+    assert_eq!(settled.fenced, vec![b2]);
+    assert!(settled.done.is_empty() && next3.is_empty());
+    assert_eq!(state_of(b2), 3);
+}
+
 /// An engine with `handlers`, a 60 s poll interval (so only the scheduler and NOTIFY can be on
 /// time) and fast backoff.
 async fn start_engine(
@@ -452,7 +531,7 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
              VALUES (1000, 'a', false, '8', '{}', 0, 3, 3, now(), 'old failure');",
     )
     .unwrap();
-    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), 1);
+    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), 2);
     let state = |payload: &str| {
         #[derive(diesel::QueryableByName)]
         struct S {
@@ -511,7 +590,8 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
         "INSERT INTO postbox.messages (topic, key, ordered) VALUES ('o', 'k', true), ('o', 'k', true);
          INSERT INTO postbox.messages (topic, run_at) VALUES ('a', now() + interval '1 hour')",
     );
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap();
+    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // hand-over
+    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // state model
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 3);
     assert_eq!(
         db.scalar(
@@ -520,7 +600,7 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
         1,
         "the previous claim takes the head of the key only"
     );
-    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), 1);
+    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

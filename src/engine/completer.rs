@@ -3,21 +3,25 @@
 //! has arrived, so at low load every outcome is written at once and under load they batch up by
 //! themselves; the bounded channel in front of it is the back-pressure.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
 
 use super::observer::{Observer, Settlement};
-use crate::store::{Dead, Lease, Retry, Store};
+use crate::store::{ClaimedMessage, Dead, Lease, Retry, Store};
 
 /// One outcome to write.
 #[derive(Debug)]
 pub(crate) struct Settle {
     pub lease: Lease,
     pub topic: String,
+    /// The message is the head of an ordered key (its next message can be handed over).
+    pub ordered: bool,
     pub created_at: DateTime<Utc>,
     pub kind: SettleKind,
 }
@@ -40,6 +44,9 @@ pub(crate) enum SettleKind {
 /// cap the engine.
 const FLUSHES_IN_FLIGHT: usize = 3;
 
+/// The smallest share of a batch written by a statement of its own (see `run`).
+const MIN_PART: usize = 100;
+
 /// Longest wait for the outcomes of running deliveries before a flush.
 const GATHER: Duration = Duration::from_millis(2);
 
@@ -55,6 +62,82 @@ pub(crate) struct Completer {
     pub written: Arc<tokio::sync::Notify>,
     /// Deliveries still running (their outcomes are worth waiting a moment for).
     pub inflight: Arc<super::producer::InFlight>,
+    /// Where the next messages of delivered ordered heads go.
+    pub hand_over: Arc<HandOver>,
+}
+
+/// Hand-over (see `postbox.hand_over`): when ordered heads are delivered, the next message of
+/// each of their keys is leased to this engine by the same statement that deletes the heads, and
+/// queued here for a claim loop to dispatch, with the concurrency permits reserved for it. A key
+/// being drained costs one update per message instead of two plus a claim. Only while the engine
+/// runs, the sink is up and permits are free: otherwise the next messages become claimable.
+pub(crate) struct HandOver {
+    permits: Arc<Semaphore>,
+    /// Messages per permit (the sink's batch).
+    chunk: usize,
+    lease: Duration,
+    shutdown: CancellationToken,
+    health: Arc<super::producer::SinkHealth>,
+    inflight: Arc<super::producer::InFlight>,
+    queue: Mutex<VecDeque<(Vec<ClaimedMessage>, OwnedSemaphorePermit)>>,
+}
+
+impl HandOver {
+    pub(crate) fn new(
+        permits: Arc<Semaphore>,
+        chunk: usize,
+        lease: Duration,
+        shutdown: CancellationToken,
+        health: Arc<super::producer::SinkHealth>,
+        inflight: Arc<super::producer::InFlight>,
+    ) -> Self {
+        HandOver {
+            permits,
+            chunk: chunk.max(1),
+            lease,
+            shutdown,
+            health,
+            inflight,
+            queue: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    /// Permits for up to `wanted` messages, if the engine can take them now.
+    fn reserve(&self, wanted: usize) -> Option<(OwnedSemaphorePermit, usize)> {
+        if wanted == 0 || self.shutdown.is_cancelled() || self.health.is_paused() {
+            return None;
+        }
+        let chunks = wanted
+            .div_ceil(self.chunk)
+            .min(self.permits.available_permits());
+        let permit = self
+            .permits
+            .clone()
+            .try_acquire_many_owned(u32::try_from(chunks).ok()?)
+            .ok()?;
+        Some((permit, (chunks * self.chunk).min(wanted)))
+    }
+
+    /// Queues handed-over messages with the permits they need (the rest of `reserved` is given
+    /// back as it drops).
+    fn push(&self, batch: Vec<ClaimedMessage>, mut reserved: OwnedSemaphorePermit) {
+        if batch.is_empty() {
+            return;
+        }
+        let permit = reserved
+            .split(batch.len().div_ceil(self.chunk))
+            .expect("permits were reserved for every message taken");
+        self.inflight.add(&batch);
+        self.queue
+            .lock()
+            .expect("hand-over lock")
+            .push_back((batch, permit));
+    }
+
+    /// The next handed-over batch to dispatch, with its permits.
+    pub(crate) fn pop(&self) -> Option<(Vec<ClaimedMessage>, OwnedSemaphorePermit)> {
+        self.queue.lock().expect("hand-over lock").pop_front()
+    }
 }
 
 /// Runs until every sender is gone, then flushes what is left and returns.
@@ -67,6 +150,7 @@ pub(crate) async fn run(c: Completer, mut rx: mpsc::Receiver<Settle>) {
         unwritten,
         written,
         inflight,
+        hand_over,
     } = c;
     let flushes = Arc::new(tokio::sync::Semaphore::new(FLUSHES_IN_FLIGHT));
     let mut running = tokio::task::JoinSet::new();
@@ -84,24 +168,41 @@ pub(crate) async fn run(c: Completer, mut rx: mpsc::Receiver<Settle>) {
                 Ok(_) => {}
             }
         }
-        let n = buf.len();
-        let permit = flushes
+        // A large batch is written as several statements at once when flush slots are free: one
+        // statement uses one core of the database, and while a drain's outcomes arrive in waves
+        // (an ordered key's next message is delivered only after its head is settled) the waves
+        // split and overlap instead of queueing behind one writer.
+        let first = flushes
             .clone()
             .acquire_owned()
             .await
             .expect("the semaphore is never closed");
-        let mut batch = std::mem::replace(&mut buf, Vec::with_capacity(max_batch));
-        let (store, observer, sink) = (store.clone(), observer.clone(), sink.clone());
-        let (unwritten, written) = (unwritten.clone(), written.clone());
-        running.spawn(async move {
-            flush(&store, &mut batch, &*observer, &*sink).await;
-            unwritten.fetch_sub(n, Ordering::AcqRel);
-            // Outcomes can make messages claimable (the next of an ordered key, a retry due
-            // now): tell a claim loop rather than have it poll for it. `notify_one` keeps the
-            // wake-up for a loop that is busy claiming right now, so it is not lost.
-            written.notify_one();
-            drop(permit);
-        });
+        let mut permits = vec![first];
+        while buf.len() >= MIN_PART * (permits.len() + 1) {
+            match flushes.clone().try_acquire_owned() {
+                Ok(p) => permits.push(p),
+                Err(_) => break,
+            }
+        }
+        let parts = permits.len();
+        let per = buf.len().div_ceil(parts);
+        for permit in permits {
+            let take = per.min(buf.len());
+            let mut batch: Vec<Settle> = buf.drain(..take).collect();
+            let n = batch.len();
+            let (store, observer, sink) = (store.clone(), observer.clone(), sink.clone());
+            let (unwritten, written, hand_over) =
+                (unwritten.clone(), written.clone(), hand_over.clone());
+            running.spawn(async move {
+                flush(&store, &mut batch, &*observer, &*sink, &hand_over).await;
+                unwritten.fetch_sub(n, Ordering::AcqRel);
+                // Outcomes can make messages claimable (the next of an ordered key, a retry due
+                // now): tell a claim loop rather than have it poll for it. `notify_one` keeps the
+                // wake-up for a loop that is busy claiming right now, so it is not lost.
+                written.notify_one();
+                drop(permit);
+            });
+        }
     }
     while running.join_next().await.is_some() {}
 }
@@ -114,14 +215,19 @@ async fn flush(
     buf: &mut Vec<Settle>,
     observer: &dyn Observer,
     sink: &dyn crate::sink::Sink,
+    hand_over: &HandOver,
 ) {
     let mut complete = Vec::new();
+    let mut heads = 0;
     let mut retry = Vec::new();
     let mut dead = Vec::new();
     let mut release = Vec::new();
     for s in buf.iter() {
         match &s.kind {
-            SettleKind::Complete => complete.push(s.lease),
+            SettleKind::Complete => {
+                complete.push(s.lease);
+                heads += usize::from(s.ordered);
+            }
             SettleKind::Retry { error, delay } => retry.push(Retry {
                 lease: s.lease,
                 error: error.clone(),
@@ -134,10 +240,12 @@ async fn flush(
             SettleKind::Release => release.push(s.lease),
         }
     }
+    let reserved = hand_over.reserve(heads);
+    let take = reserved.as_ref().map_or(0, |r| r.1);
     let mut pause = Duration::from_millis(50);
-    let (c, r, d, l) = loop {
+    let ((c, next), r, d, l) = loop {
         let result = tokio::try_join!(
-            store.complete(&complete),
+            store.complete_and_take(&complete, take, hand_over.lease),
             store.retry(&retry),
             store.dead_letter(&dead),
             store.release(&release),
@@ -151,6 +259,10 @@ async fn flush(
             }
         }
     };
+    if let Some((permits, _)) = reserved {
+        observer.claimed(next.len());
+        hand_over.push(next, permits);
+    }
     // Report per message: what happened to it, as the database saw it.
     let now = Utc::now();
     let fenced: std::collections::HashSet<i64> = c

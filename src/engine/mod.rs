@@ -245,6 +245,16 @@ impl Engine {
         let unwritten = Arc::new(AtomicUsize::new(0));
         let (settle_tx, settle_rx) = tokio::sync::mpsc::channel(self.config.completer_batch * 2);
         let wake = Arc::new(Notify::new());
+        let permits = Arc::new(tokio::sync::Semaphore::new(self.config.concurrency));
+        let health = Arc::new(SinkHealth::new(self.config.max_unavailable_backoff));
+        let hand_over = Arc::new(completer::HandOver::new(
+            permits.clone(),
+            self.sink.max_batch(),
+            self.config.lease,
+            shutdown.clone(),
+            health.clone(),
+            inflight.clone(),
+        ));
         let completer = tokio::spawn(completer::run(
             completer::Completer {
                 store: self.store.clone(),
@@ -254,6 +264,7 @@ impl Engine {
                 unwritten: unwritten.clone(),
                 written: wake.clone(),
                 inflight: inflight.clone(),
+                hand_over: hand_over.clone(),
             },
             settle_rx,
         ));
@@ -298,14 +309,15 @@ impl Engine {
             config: self.config.clone(),
             observer: observer.clone(),
             inflight: inflight.clone(),
-            health: Arc::new(SinkHealth::new(self.config.max_unavailable_backoff)),
+            health,
             settle_tx,
             unwritten,
             wake,
             notifier,
             shutdown: shutdown.clone(),
-            permits: Arc::new(tokio::sync::Semaphore::new(self.config.concurrency)),
+            permits,
             rate: producer::ClaimRate::new(),
+            hand_over,
         });
         let loops: Vec<_> = (0..self.config.claimers)
             .map(|_| tokio::spawn(producer.clone().run()))

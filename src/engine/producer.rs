@@ -12,7 +12,7 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::completer::{Settle, SettleKind};
+use super::completer::{HandOver, Settle, SettleKind};
 use super::config::{EngineConfig, LINGER_STEP};
 use super::notifier::Notifier;
 use super::observer::Observer;
@@ -29,7 +29,7 @@ pub(crate) struct InFlight {
 }
 
 impl InFlight {
-    fn add(&self, batch: &[ClaimedMessage]) {
+    pub(crate) fn add(&self, batch: &[ClaimedMessage]) {
         let mut m = self.leases.lock().expect("in-flight lock");
         m.extend(batch.iter().map(|c| (c.id, c.lease())));
     }
@@ -99,6 +99,9 @@ impl SinkHealth {
             tracing::info!(sink, "sink available again");
         }
     }
+    pub(crate) fn is_paused(&self) -> bool {
+        self.paused_until().is_some()
+    }
     fn paused_until(&self) -> Option<Instant> {
         let until = *self.paused_until.lock().expect("health lock");
         until.filter(|t| *t > Instant::now())
@@ -158,6 +161,8 @@ pub(crate) struct Producer {
     pub permits: Arc<Semaphore>,
     /// Shared by every claim loop: how fast work arrives.
     pub rate: ClaimRate,
+    /// Messages the completer leased to this engine as it settled their keys' heads.
+    pub hand_over: Arc<HandOver>,
 }
 
 impl Producer {
@@ -177,6 +182,10 @@ impl Producer {
             if self.shutdown.is_cancelled() {
                 return tasks;
             }
+            if let Some((batch, mut permits)) = self.hand_over.pop() {
+                self.dispatch(batch, chunk, &mut permits, &mut tasks);
+                continue;
+            }
             if let Some(until) = self.health.paused_until() {
                 tokio::select! {
                     _ = tokio::time::sleep_until(until.into()) => {}
@@ -188,6 +197,8 @@ impl Producer {
             if permits.available_permits() == 0 {
                 tokio::select! {
                     p = permits.acquire() => drop(p),
+                    // Handed-over messages arrive with their permits.
+                    _ = self.wake.notified() => {}
                     _ = self.shutdown.cancelled() => {}
                 }
                 continue;
@@ -305,7 +316,7 @@ impl Producer {
         reserved: &mut OwnedSemaphorePermit,
         tasks: &mut JoinSet<()>,
     ) {
-        self.inflight.add(&batch);
+        self.inflight.add(&batch); // again for handed-over batches: no harm
         let mut rest = batch.into_iter().peekable();
         while rest.peek().is_some() {
             let permit = reserved
@@ -337,9 +348,9 @@ async fn deliver(
     health: Arc<SinkHealth>,
     unwritten: Arc<AtomicUsize>,
 ) {
-    let meta: Vec<(Lease, String, chrono::DateTime<chrono::Utc>)> = chunk
+    let meta: Vec<(Lease, String, bool, chrono::DateTime<chrono::Utc>)> = chunk
         .iter()
-        .map(|m| (m.lease(), m.topic.clone(), m.created_at))
+        .map(|m| (m.lease(), m.topic.clone(), m.ordered, m.created_at))
         .collect();
     let n = chunk.len();
     let started = Instant::now();
@@ -378,12 +389,13 @@ async fn deliver(
                 .collect()
         }
     };
-    for ((lease, topic, created_at), kind) in meta.into_iter().zip(kinds) {
+    for ((lease, topic, ordered, created_at), kind) in meta.into_iter().zip(kinds) {
         unwritten.fetch_add(1, Ordering::AcqRel);
         if tx
             .send(Settle {
                 lease,
                 topic,
+                ordered,
                 created_at,
                 kind,
             })

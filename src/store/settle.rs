@@ -4,10 +4,10 @@
 use std::time::Duration;
 
 use diesel::QueryableByName;
-use diesel::sql_types::{Array, BigInt, Bool, Double, Nullable, Text};
+use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Nullable, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 
-use super::{Lease, Store, fenced, split};
+use super::{ClaimedMessage, Lease, Store, fenced, split};
 use crate::error::Result;
 use crate::message::MessageId;
 
@@ -57,6 +57,14 @@ struct IdRow {
 }
 
 #[derive(QueryableByName)]
+struct CompleteRow {
+    #[diesel(sql_type = Bool)]
+    handed: bool,
+    #[diesel(embed)]
+    message: ClaimedMessage,
+}
+
+#[derive(QueryableByName)]
 struct IdDeadRow {
     #[diesel(sql_type = BigInt)]
     id: i64,
@@ -78,20 +86,31 @@ macro_rules! promote_heads_cte {
     };
 }
 
-const COMPLETE: &str = concat!(
-    r#"
+/// Deletes the delivered messages; every ordered head among them promotes the next message of its
+/// key, and the first `$3` of those that are due are leased to the caller at once (`$4` seconds,
+/// token `$5`, owner `$6`): see `postbox.hand_over`. Rows: the messages handed over, as a claim
+/// returns them (`handed`), then the deleted ones (only their ids matter; no payload is sent back).
+const COMPLETE: &str = r#"
 WITH gone AS (
     DELETE FROM postbox.messages m
     USING unnest($1::bigint[], $2::bigint[]) AS d(id, token)
     WHERE m.id = d.id AND m.lease_token = d.token
     RETURNING m.id, m.topic, m.key, m.ordered, m.state
 ),
-"#,
-    promote_heads_cte!("gone"),
-    r#"
-SELECT gone.id FROM gone, heads
-"#
-);
+heads AS (
+    SELECT array_agg(topic) AS topics, array_agg(key) AS keys, array_agg(id) AS ids
+    FROM gone WHERE ordered AND state <> 'waiting'
+),
+handed AS (
+    SELECT h.* FROM heads, postbox.hand_over(heads.topics, heads.keys, heads.ids, $3, $4, $5, $6) AS h
+)
+SELECT true AS handed, id, topic, key, ordered, payload, headers, priority, run_at, attempts,
+       max_attempts, created_at, locked_until, lease_token, last_error, dedup_key
+FROM handed
+UNION ALL
+SELECT false, id, '', NULL, ordered, 'null', '{}', 0::smallint, now(), 0, 0, now(), now(), 0::bigint, NULL, NULL
+FROM gone
+"#;
 
 /// Columns copied from a message into its dead letter (without the reason columns).
 macro_rules! dead_columns {
@@ -257,17 +276,46 @@ pub const RESCUE_BATCH: i64 = 1_000;
 impl Store {
     /// Delivered: deletes the messages (one statement).
     pub async fn complete(&self, leases: &[Lease]) -> Result<Settled> {
+        Ok(self
+            .complete_and_take(leases, 0, Duration::from_secs(1))
+            .await?
+            .0)
+    }
+
+    /// Delivered: deletes the messages, and leases to the caller (for `lease`, as a claim would)
+    /// the next message of up to `take` of the ordered keys whose head was among them, if it is
+    /// due: the relay that drains a key keeps it, without a claim in between. The next messages
+    /// of the other keys become claimable as with [`complete`](Self::complete).
+    pub async fn complete_and_take(
+        &self,
+        leases: &[Lease],
+        take: usize,
+        lease: Duration,
+    ) -> Result<(Settled, Vec<ClaimedMessage>)> {
         if leases.is_empty() {
-            return Ok(Settled::default());
+            return Ok((Settled::default(), Vec::new()));
         }
         let (ids, tokens) = split(leases.iter().copied());
+        let token = fastrand::i64(..);
         let mut conn = self.conn().await?;
-        let rows: Vec<IdRow> = diesel::sql_query(COMPLETE)
+        let rows: Vec<CompleteRow> = diesel::sql_query(COMPLETE)
             .bind::<Array<BigInt>, _>(&ids)
             .bind::<Array<BigInt>, _>(&tokens)
+            .bind::<Integer, _>(i32::try_from(take).unwrap_or(i32::MAX))
+            .bind::<Double, _>(lease.as_secs_f64())
+            .bind::<BigInt, _>(token)
+            .bind::<Text, _>(&*self.owner)
             .load(&mut conn)
             .await?;
-        Ok(settled(&ids, rows))
+        let (handed, done): (Vec<CompleteRow>, Vec<CompleteRow>) =
+            rows.into_iter().partition(|r| r.handed);
+        let done = done
+            .into_iter()
+            .map(|r| IdRow { id: r.message.id })
+            .collect();
+        let mut next: Vec<ClaimedMessage> = handed.into_iter().map(|r| r.message).collect();
+        next.sort_unstable_by_key(|m| (m.priority, m.id));
+        Ok((settled(&ids, done), next))
     }
 
     /// Failed for now: back to pending after the backoff (or the given delay), with the error
