@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use super::observer::{Observer, Settlement};
@@ -39,9 +39,7 @@ pub(crate) enum SettleKind {
     Release,
 }
 
-/// Flushes written at once, each on its own connection: settling a batch can cost more than
-/// claiming it (an ordered head promotes the next message of its key), so one writer alone would
-/// cap the engine.
+/// Flushes of ordered outcomes written at once, each on its own connection (see `run`).
 const FLUSHES_IN_FLIGHT: usize = 3;
 
 /// The smallest share of a batch written by a statement of its own (see `run`).
@@ -80,6 +78,8 @@ pub(crate) struct HandOver {
     health: Arc<super::producer::SinkHealth>,
     inflight: Arc<super::producer::InFlight>,
     queue: Mutex<VecDeque<(Vec<ClaimedMessage>, OwnedSemaphorePermit)>>,
+    /// Signalled when a batch is queued.
+    pub(crate) queued: Notify,
 }
 
 impl HandOver {
@@ -99,6 +99,7 @@ impl HandOver {
             health,
             inflight,
             queue: Mutex::new(VecDeque::new()),
+            queued: Notify::new(),
         }
     }
 
@@ -132,6 +133,7 @@ impl HandOver {
             .lock()
             .expect("hand-over lock")
             .push_back((batch, permit));
+        self.queued.notify_one();
     }
 
     /// The next handed-over batch to dispatch, with its permits.
@@ -168,20 +170,37 @@ pub(crate) async fn run(c: Completer, mut rx: mpsc::Receiver<Settle>) {
                 Ok(_) => {}
             }
         }
-        // A large batch is written as several statements at once when flush slots are free: one
-        // statement uses one core of the database, and while a drain's outcomes arrive in waves
-        // (an ordered key's next message is delivered only after its head is settled) the waves
-        // split and overlap instead of queueing behind one writer.
-        let first = flushes
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("the semaphore is never closed");
-        let mut permits = vec![first];
-        while buf.len() >= MIN_PART * (permits.len() + 1) {
-            match flushes.clone().try_acquire_owned() {
-                Ok(p) => permits.push(p),
-                Err(_) => break,
+        // Outcomes of unordered messages are written one statement at a time: a flush that waits
+        // gathers more, and the database's cores are left to the claims. The settling of ordered
+        // heads is what makes the next messages of their keys claimable (or hands them over), so
+        // while a drain of ordered keys arrives in waves, a large batch of them is split into
+        // statements written at once, and the waves overlap instead of queueing behind one writer.
+        let heads = buf
+            .iter()
+            .filter(|s| s.ordered && matches!(s.kind, SettleKind::Complete))
+            .count();
+        let mut permits = Vec::with_capacity(FLUSHES_IN_FLIGHT);
+        if heads == 0 {
+            permits.push(
+                flushes
+                    .clone()
+                    .acquire_many_owned(FLUSHES_IN_FLIGHT as u32)
+                    .await
+                    .expect("the semaphore is never closed"),
+            );
+        } else {
+            permits.push(
+                flushes
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("the semaphore is never closed"),
+            );
+            while heads >= MIN_PART * (permits.len() + 1) {
+                match flushes.clone().try_acquire_owned() {
+                    Ok(p) => permits.push(p),
+                    Err(_) => break,
+                }
             }
         }
         let parts = permits.len();

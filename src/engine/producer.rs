@@ -198,7 +198,7 @@ impl Producer {
                 tokio::select! {
                     p = permits.acquire() => drop(p),
                     // Handed-over messages arrive with their permits.
-                    _ = self.wake.notified() => {}
+                    _ = self.hand_over.queued.notified() => {}
                     _ = self.shutdown.cancelled() => {}
                 }
                 continue;

@@ -137,6 +137,14 @@ impl Topics {
         out
     }
 
+    /// The one topic this filter lets through, when it names exactly one (and does not exclude it).
+    fn single(&self) -> Option<&str> {
+        match (self.all, self.exact.as_slice(), self.like.is_empty()) {
+            (false, [one], true) if self.matches(one) => Some(one),
+            _ => None,
+        }
+    }
+
     /// True if nothing can match.
     pub fn is_empty(&self) -> bool {
         !self.all && self.exact.is_empty() && self.like.is_empty()
@@ -254,6 +262,13 @@ SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, ma
 FROM postbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9)
 "#;
 
+/// A claim from one topic named exactly: `postbox.claim_topic` without the filter's resolution.
+const CLAIM_ONE: &str = r#"
+SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
+       created_at, locked_until, lease_token, last_error, dedup_key
+FROM postbox.claim_topic($1, $2, $3, $4, $5)
+"#;
+
 /// The statement inside `postbox.claim_topic` (one topic's claim), as deployed.
 const CLAIM_TOPIC_BODY: &str = "SELECT prosrc AS body FROM pg_proc WHERE oid = 'postbox.claim_topic(text, integer, double precision, bigint, text)'::regprocedure";
 
@@ -295,6 +310,18 @@ impl Store {
         let mut conn = self.conn().await?;
         let batch = i32::try_from(batch).unwrap_or(i32::MAX);
         let token = fastrand::i64(..);
+        if let Some(topic) = topics.single() {
+            let mut rows: Vec<ClaimedMessage> = diesel::sql_query(CLAIM_ONE)
+                .bind::<Text, _>(topic)
+                .bind::<Integer, _>(batch)
+                .bind::<Double, _>(lease.as_secs_f64())
+                .bind::<BigInt, _>(token)
+                .bind::<Text, _>(&*self.owner)
+                .load(&mut conn)
+                .await?;
+            rows.sort_unstable_by_key(|m| (m.priority, m.id));
+            return Ok(rows);
+        }
         let mut rows: Vec<ClaimedMessage> = diesel::sql_query(CLAIM)
             .bind::<Integer, _>(batch)
             .bind::<Double, _>(lease.as_secs_f64())

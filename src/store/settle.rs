@@ -58,8 +58,9 @@ struct IdRow {
 
 #[derive(QueryableByName)]
 struct CompleteRow {
-    #[diesel(sql_type = Bool)]
-    handed: bool,
+    /// Set on the last row only.
+    #[diesel(sql_type = Nullable<Array<BigInt>>)]
+    done: Option<Vec<i64>>,
     #[diesel(embed)]
     message: ClaimedMessage,
 }
@@ -89,7 +90,7 @@ macro_rules! promote_heads_cte {
 /// Deletes the delivered messages; every ordered head among them promotes the next message of its
 /// key, and the first `$3` of those that are due are leased to the caller at once (`$4` seconds,
 /// token `$5`, owner `$6`): see `postbox.hand_over`. Rows: the messages handed over, as a claim
-/// returns them (`handed`), then the deleted ones (only their ids matter; no payload is sent back).
+/// returns them, then one row whose `done` holds the ids deleted (its other columns are filler).
 const COMPLETE: &str = r#"
 WITH gone AS (
     DELETE FROM postbox.messages m
@@ -104,12 +105,12 @@ heads AS (
 handed AS (
     SELECT h.* FROM heads, postbox.hand_over(heads.topics, heads.keys, heads.ids, $3, $4, $5, $6) AS h
 )
-SELECT true AS handed, id, topic, key, ordered, payload, headers, priority, run_at, attempts,
-       max_attempts, created_at, locked_until, lease_token, last_error, dedup_key
+SELECT NULL::bigint[] AS done, id, topic, key, ordered, payload, headers, priority, run_at,
+       attempts, max_attempts, created_at, locked_until, lease_token, last_error, dedup_key
 FROM handed
 UNION ALL
-SELECT false, id, '', NULL, ordered, 'null', '{}', 0::smallint, now(), 0, 0, now(), now(), 0::bigint, NULL, NULL
-FROM gone
+SELECT coalesce((SELECT array_agg(id) FROM gone), '{}'), 0, '', NULL, false, 'null', '{}',
+       0::smallint, now(), 0, 0, now(), now(), 0::bigint, NULL, NULL
 "#;
 
 /// Columns copied from a message into its dead letter (without the reason columns).
@@ -307,13 +308,14 @@ impl Store {
             .bind::<Text, _>(&*self.owner)
             .load(&mut conn)
             .await?;
-        let (handed, done): (Vec<CompleteRow>, Vec<CompleteRow>) =
-            rows.into_iter().partition(|r| r.handed);
-        let done = done
-            .into_iter()
-            .map(|r| IdRow { id: r.message.id })
-            .collect();
-        let mut next: Vec<ClaimedMessage> = handed.into_iter().map(|r| r.message).collect();
+        let mut done = Vec::new();
+        let mut next = Vec::with_capacity(rows.len().saturating_sub(1));
+        for row in rows {
+            match row.done {
+                Some(ids) => done = ids.into_iter().map(|id| IdRow { id }).collect(),
+                None => next.push(row.message),
+            }
+        }
         next.sort_unstable_by_key(|m| (m.priority, m.id));
         Ok((settled(&ids, done), next))
     }
