@@ -89,13 +89,7 @@ fn rows(msgs: &[Message]) -> Result<Vec<NewMessage<'_>>> {
             let (Ok(payload), Ok(headers)) = (&m.payload, &m.headers) else {
                 unreachable!("validate() accepted the message");
             };
-            let run_at = match (m.run_at, m.delay) {
-                (Some(at), _) => Some(at),
-                (None, Some(d)) => {
-                    Some(now + chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX / 2))
-                }
-                (None, None) => None,
-            };
+            let run_at = m.resolved_run_at(now)?;
             Ok(NewMessage {
                 topic: &m.topic,
                 key: m.key.as_deref(),

@@ -35,6 +35,15 @@ pub enum InvalidMessage {
     /// At least one attempt is needed to deliver anything.
     #[error("max_attempts: must be at least 1, got {0}")]
     MaxAttempts(i32),
+    /// PostgreSQL text and JSON cannot hold the NUL character (0x00).
+    #[error("{field}: contains a NUL character (0x00), which PostgreSQL cannot store")]
+    Nul { field: &'static str },
+    /// The run time is out of the range a message can be scheduled in.
+    #[error("{field}: {problem}")]
+    RunAt {
+        field: &'static str,
+        problem: String,
+    },
 }
 
 /// Everything that can go wrong in postbox.

@@ -145,8 +145,61 @@ impl Message {
         &self.topic
     }
 
+    /// When the message becomes claimable, as of `now` (`None`: at once). Refuses a delay or time
+    /// that cannot be represented or lies after the year 9999.
+    pub(crate) fn resolved_run_at(
+        &self,
+        now: DateTime<Utc>,
+    ) -> Result<Option<DateTime<Utc>>, InvalidMessage> {
+        let latest = DateTime::<Utc>::from_naive_utc_and_offset(
+            chrono::NaiveDate::from_ymd_opt(9999, 12, 31)
+                .and_then(|d| d.and_hms_opt(23, 59, 59))
+                .expect("a valid date"),
+            Utc,
+        );
+        let (field, at) = match (self.run_at, self.delay) {
+            (Some(at), _) => ("run_at", Some(at)),
+            (None, Some(d)) => (
+                "delay",
+                chrono::Duration::from_std(d)
+                    .ok()
+                    .and_then(|d| now.checked_add_signed(d)),
+            ),
+            (None, None) => return Ok(None),
+        };
+        match at {
+            Some(at) if at <= latest => Ok(Some(at)),
+            _ => Err(InvalidMessage::RunAt {
+                field,
+                problem: format!("must not be later than {latest}"),
+            }),
+        }
+    }
+
     /// Checks every field against the limits; `enqueue` calls this before any SQL.
     pub fn validate(&self) -> Result<(), InvalidMessage> {
+        if self.topic.contains('\0') {
+            return Err(InvalidMessage::Nul { field: "topic" });
+        }
+        for (field, value) in [("key", &self.key), ("dedup_key", &self.dedup_key)] {
+            if value.as_deref().is_some_and(|v| v.contains('\0')) {
+                return Err(InvalidMessage::Nul { field });
+            }
+        }
+        if let Ok(headers) = &self.headers {
+            if headers
+                .iter()
+                .any(|(k, v)| k.contains('\0') || v.contains('\0'))
+            {
+                return Err(InvalidMessage::Nul { field: "headers" });
+            }
+        }
+        if let Ok(payload) = &self.payload {
+            if json_has_nul(payload) {
+                return Err(InvalidMessage::Nul { field: "payload" });
+            }
+        }
+        self.resolved_run_at(Utc::now())?;
         if self.topic.is_empty() {
             return Err(InvalidMessage::EmptyTopic);
         }
@@ -192,6 +245,17 @@ impl Message {
                 }
             }
         }
+    }
+}
+
+/// True if a string or an object key anywhere in `value` holds a NUL character (`jsonb` refuses
+/// `\u0000`).
+fn json_has_nul(value: &serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::String(s) => s.contains('\0'),
+        serde_json::Value::Array(a) => a.iter().any(json_has_nul),
+        serde_json::Value::Object(o) => o.iter().any(|(k, v)| k.contains('\0') || json_has_nul(v)),
+        _ => false,
     }
 }
 
@@ -247,6 +311,40 @@ mod tests {
             Message::new("t").payload(&map).validate(),
             Err(InvalidMessage::PayloadNotJson(_))
         ));
+    }
+
+    #[test]
+    fn refuses_nul_characters_and_unrepresentable_run_times() {
+        let nul = |m: Message| match m.validate() {
+            Err(InvalidMessage::Nul { field }) => field,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(nul(Message::new("a\0b")), "topic");
+        assert_eq!(nul(Message::new("t").key("k\0")), "key");
+        assert_eq!(nul(Message::new("t").dedup_key("\0")), "dedup_key");
+        assert_eq!(nul(Message::new("t").header("h", "v\0")), "headers");
+        assert_eq!(
+            nul(Message::new("t").payload(&serde_json::json!({"a": [1, {"b\0": 2}]}))),
+            "payload"
+        );
+        assert_eq!(nul(Message::new("t").payload("x\0y")), "payload");
+        for m in [
+            Message::new("t").delay(Duration::MAX),
+            Message::new("t").delay(Duration::from_secs(100_000_000 * 86_400)),
+            Message::new("t").run_at(DateTime::<Utc>::MAX_UTC),
+        ] {
+            assert!(
+                matches!(m.validate(), Err(InvalidMessage::RunAt { .. })),
+                "{:?}",
+                m.validate()
+            );
+        }
+        assert!(
+            Message::new("t")
+                .delay(Duration::from_secs(365 * 86_400))
+                .validate()
+                .is_ok()
+        );
     }
 
     #[test]

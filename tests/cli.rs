@@ -163,6 +163,26 @@ fn bad_usage_exits_2() {
 }
 
 #[test]
+fn messages_that_sql_cannot_store_are_refused_with_exit_2_and_nothing_written() {
+    let db = TestDb::migrated();
+    for (args, field) in [
+        (["--payload", "1", "--delay", "100000000d"], "delay"),
+        (["--payload", r#""a\u0000b""#, "--key", "k"], "payload"),
+    ] {
+        let mut cmd = vec!["--database-url", &db.url, "enqueue", "--topic", "t"];
+        cmd.extend(args);
+        let out = postbox(&cmd);
+        assert_eq!(out.status.code(), Some(2), "{cmd:?}: {}", text(&out.stderr));
+        assert!(
+            text(&out.stderr).contains(field),
+            "{cmd:?}: {}",
+            text(&out.stderr)
+        );
+    }
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+}
+
+#[test]
 fn migrate_creates_the_database_then_the_commands_work_on_it() {
     let db = TestDb::empty();
     // A database that does not exist yet: migrate creates it.
