@@ -12,8 +12,8 @@ use chrono::{DateTime, Utc};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 
-use super::observer::{Observer, Settlement};
-use crate::store::{ClaimedMessage, Dead, Lease, Retry, Store};
+use super::observer::Observer;
+use crate::store::{ClaimedMessage, Lease, Store};
 
 /// One outcome to write.
 #[derive(Debug)]
@@ -62,6 +62,8 @@ pub(crate) struct Completer {
     pub inflight: Arc<super::producer::InFlight>,
     /// Where the next messages of delivered ordered heads go.
     pub hand_over: Arc<HandOver>,
+    /// After shutdown, how long an unwritable batch is retried.
+    pub shutdown_deadline: Duration,
 }
 
 /// Hand-over (see `postbox.hand_over`): when ordered heads are delivered, the next message of
@@ -104,7 +106,7 @@ impl HandOver {
     }
 
     /// Permits for up to `wanted` messages, if the engine can take them now.
-    fn reserve(&self, wanted: usize) -> Option<(OwnedSemaphorePermit, usize)> {
+    pub(crate) fn reserve(&self, wanted: usize) -> Option<(OwnedSemaphorePermit, usize)> {
         if wanted == 0 || self.shutdown.is_cancelled() || self.health.is_paused() {
             return None;
         }
@@ -121,7 +123,7 @@ impl HandOver {
 
     /// Queues handed-over messages with the permits they need (the rest of `reserved` is given
     /// back as it drops).
-    fn push(&self, batch: Vec<ClaimedMessage>, mut reserved: OwnedSemaphorePermit) {
+    pub(crate) fn push(&self, batch: Vec<ClaimedMessage>, mut reserved: OwnedSemaphorePermit) {
         if batch.is_empty() {
             return;
         }
@@ -134,6 +136,14 @@ impl HandOver {
             .expect("hand-over lock")
             .push_back((batch, permit));
         self.queued.notify_one();
+    }
+
+    pub(crate) fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    pub(crate) fn shutdown(&self) -> &CancellationToken {
+        &self.shutdown
     }
 
     /// The next handed-over batch to dispatch, with its permits.
@@ -153,6 +163,7 @@ pub(crate) async fn run(c: Completer, mut rx: mpsc::Receiver<Settle>) {
         written,
         inflight,
         hand_over,
+        shutdown_deadline,
     } = c;
     let flushes = Arc::new(tokio::sync::Semaphore::new(FLUSHES_IN_FLIGHT));
     let mut running = tokio::task::JoinSet::new();
@@ -213,7 +224,14 @@ pub(crate) async fn run(c: Completer, mut rx: mpsc::Receiver<Settle>) {
             let (unwritten, written, hand_over) =
                 (unwritten.clone(), written.clone(), hand_over.clone());
             running.spawn(async move {
-                flush(&store, &mut batch, &*observer, &*sink, &hand_over).await;
+                let writer = super::flush::Writer {
+                    store: &store,
+                    observer: &*observer,
+                    sink: &*sink,
+                    hand_over: &hand_over,
+                    shutdown_deadline,
+                };
+                writer.flush(std::mem::take(&mut batch)).await;
                 unwritten.fetch_sub(n, Ordering::AcqRel);
                 // Outcomes can make messages claimable (the next of an ordered key, a retry due
                 // now): tell a claim loop rather than have it poll for it. `notify_one` keeps the
@@ -224,90 +242,4 @@ pub(crate) async fn run(c: Completer, mut rx: mpsc::Receiver<Settle>) {
         }
     }
     while running.join_next().await.is_some() {}
-}
-
-/// Writes a batch, retrying on database errors (with back-off) until it is written: outcomes are
-/// not dropped. If the database stays away long enough, the leases expire and rescue takes over;
-/// the late write is then fenced and counted.
-async fn flush(
-    store: &Store,
-    buf: &mut Vec<Settle>,
-    observer: &dyn Observer,
-    sink: &dyn crate::sink::Sink,
-    hand_over: &HandOver,
-) {
-    let mut complete = Vec::new();
-    let mut heads = 0;
-    let mut retry = Vec::new();
-    let mut dead = Vec::new();
-    let mut release = Vec::new();
-    for s in buf.iter() {
-        match &s.kind {
-            SettleKind::Complete => {
-                complete.push(s.lease);
-                heads += usize::from(s.ordered);
-            }
-            SettleKind::Retry { error, delay } => retry.push(Retry {
-                lease: s.lease,
-                error: error.clone(),
-                delay: *delay,
-            }),
-            SettleKind::Dead { reason } => dead.push(Dead {
-                lease: s.lease,
-                reason: reason.clone(),
-            }),
-            SettleKind::Release => release.push(s.lease),
-        }
-    }
-    let reserved = hand_over.reserve(heads);
-    let take = reserved.as_ref().map_or(0, |r| r.1);
-    let mut pause = Duration::from_millis(50);
-    let ((c, next), r, d, l) = loop {
-        let result = tokio::try_join!(
-            store.complete_and_take(&complete, take, hand_over.lease),
-            store.retry(&retry),
-            store.dead_letter(&dead),
-            store.release(&release),
-        );
-        match result {
-            Ok(ok) => break ok,
-            Err(e) => {
-                tracing::warn!(error = %e, outcomes = buf.len(), retry_in = ?pause, "completer cannot write outcomes");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(5));
-            }
-        }
-    };
-    if let Some((permits, _)) = reserved {
-        observer.claimed(next.len());
-        hand_over.push(next, permits);
-    }
-    // Report per message: what happened to it, as the database saw it.
-    let now = Utc::now();
-    let fenced: std::collections::HashSet<i64> = c
-        .fenced
-        .iter()
-        .chain(&r.fenced)
-        .chain(&d.fenced)
-        .chain(&l.fenced)
-        .copied()
-        .collect();
-    let exhausted: std::collections::HashSet<i64> = r.dead.iter().copied().collect();
-    for s in buf.drain(..) {
-        let what = if fenced.contains(&s.lease.id) {
-            Settlement::Fenced
-        } else {
-            match s.kind {
-                SettleKind::Complete => Settlement::Delivered,
-                SettleKind::Retry { .. } if exhausted.contains(&s.lease.id) => {
-                    Settlement::DeadLettered
-                }
-                SettleKind::Retry { .. } => Settlement::Retried,
-                SettleKind::Dead { .. } => Settlement::DeadLettered,
-                SettleKind::Release => Settlement::Released,
-            }
-        };
-        let age = (now - s.created_at).to_std().unwrap_or_default();
-        observer.settled(&s.topic, sink.name(), what, age);
-    }
 }

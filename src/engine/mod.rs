@@ -21,6 +21,7 @@
 
 mod completer;
 pub mod config;
+mod flush;
 pub mod maintenance;
 mod notifier;
 pub mod observer;
@@ -265,6 +266,7 @@ impl Engine {
                 written: wake.clone(),
                 inflight: inflight.clone(),
                 hand_over: hand_over.clone(),
+                shutdown_deadline: self.config.shutdown_deadline,
             },
             settle_rx,
         ));

@@ -56,6 +56,19 @@ struct IdRow {
     id: i64,
 }
 
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn storable_text_has_no_nul_and_a_bounded_length() {
+        assert_eq!(super::storable("plain"), "plain");
+        assert_eq!(super::storable("a\0b"), "a\u{FFFD}b");
+        let long = "é".repeat(super::MAX_ERROR_BYTES);
+        let cut = super::storable(&long);
+        assert!(cut.len() <= super::MAX_ERROR_BYTES);
+        assert!(cut.ends_with('…'));
+    }
+}
+
 #[derive(QueryableByName)]
 struct CompleteRow {
     /// Set on the last row only.
@@ -271,6 +284,30 @@ SELECT id, true AS dead FROM buried
 "#
 );
 
+/// Longest error or reason text stored with a message (longer ones are cut, marked with `…`).
+pub const MAX_ERROR_BYTES: usize = 8 * 1024;
+
+/// Longest delay a retry may ask for (longer ones are shortened to it).
+pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Text that PostgreSQL stores as given: NUL characters (which it refuses) replaced by U+FFFD,
+/// and at most [`MAX_ERROR_BYTES`] long (cut on a character boundary, ending in `…`).
+pub(crate) fn storable(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.len() <= MAX_ERROR_BYTES && !text.contains('\0') {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = text.replace('\0', "\u{FFFD}");
+    if out.len() > MAX_ERROR_BYTES {
+        let mut cut = MAX_ERROR_BYTES - '…'.len_utf8();
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.truncate(cut);
+        out.push('…');
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// Rows `rescue_expired` handles per statement.
 pub const RESCUE_BATCH: i64 = 1_000;
 
@@ -327,10 +364,12 @@ impl Store {
             return Ok(RetryReport::default());
         }
         let (ids, tokens) = split(retries.iter().map(|r| r.lease));
-        let errors: Vec<&str> = retries.iter().map(|r| r.error.as_str()).collect();
+        let errors: Vec<std::borrow::Cow<'_, str>> =
+            retries.iter().map(|r| storable(&r.error)).collect();
+        let errors: Vec<&str> = errors.iter().map(|e| e.as_ref()).collect();
         let delays: Vec<Option<f64>> = retries
             .iter()
-            .map(|r| r.delay.map(|d| d.as_secs_f64()))
+            .map(|r| r.delay.map(|d| d.min(MAX_RETRY_DELAY).as_secs_f64()))
             .collect();
         let b = self.backoff;
         let mut conn = self.conn().await?;
@@ -353,7 +392,9 @@ impl Store {
             return Ok(Settled::default());
         }
         let (ids, tokens) = split(dead.iter().map(|d| d.lease));
-        let reasons: Vec<&str> = dead.iter().map(|d| d.reason.as_str()).collect();
+        let reasons: Vec<std::borrow::Cow<'_, str>> =
+            dead.iter().map(|d| storable(&d.reason)).collect();
+        let reasons: Vec<&str> = reasons.iter().map(|r| r.as_ref()).collect();
         let mut conn = self.conn().await?;
         let rows: Vec<IdRow> = diesel::sql_query(DEAD_LETTER)
             .bind::<Array<BigInt>, _>(&ids)
@@ -386,6 +427,13 @@ impl Store {
             })
             .await?;
         Ok(settled(&ids, rows))
+    }
+
+    /// True if the database answers (a trivial query on a pooled connection).
+    pub async fn ping(&self) -> Result<()> {
+        let mut conn = self.conn().await?;
+        conn.batch_execute("SELECT 1").await?;
+        Ok(())
     }
 
     /// Heartbeat: the leases now end `lease` from now.

@@ -1,0 +1,167 @@
+//! Writing one batch of outcomes (the completer's flush): one statement per kind, retried while
+//! the database is away; an outcome the database keeps refusing is isolated by splitting the batch,
+//! so it cannot hold up the others; after shutdown, retries stop at the shutdown deadline.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use chrono::Utc;
+
+use super::completer::{HandOver, Settle, SettleKind};
+use super::observer::{Observer, Settlement};
+use crate::store::{Dead, Retry, Store};
+
+/// Failed tries of the same batch before the database is asked whether it is up, and the batch is
+/// split (or, alone, the outcome is given up on) if it is.
+const TRIES_BEFORE_SPLIT: u32 = 3;
+
+/// What a flush writes with.
+pub(crate) struct Writer<'a> {
+    pub store: &'a Store,
+    pub observer: &'a dyn Observer,
+    pub sink: &'a dyn crate::sink::Sink,
+    pub hand_over: &'a HandOver,
+    /// After shutdown, how long a batch is retried before it is left to lease expiry.
+    pub shutdown_deadline: Duration,
+}
+
+enum Tried {
+    Written,
+    /// The database is up and refuses this batch: split it.
+    Refused(crate::Error),
+    /// Shutting down and past the deadline.
+    OutOfTime(crate::Error),
+}
+
+impl Writer<'_> {
+    /// Writes `batch`: retried with back-off while the database is away, so outcomes are not
+    /// dropped (if it stays away long enough the leases expire and rescue takes over; the late
+    /// write is then fenced and counted). If the database is up and keeps refusing the batch, the
+    /// batch is split until the outcome it refuses is alone: a refused retry or release becomes a
+    /// dead letter with the database's error as reason; anything else is left to lease expiry and
+    /// logged.
+    pub(crate) async fn flush(&self, batch: Vec<Settle>) {
+        let mut parts = vec![batch];
+        while let Some(mut part) = parts.pop() {
+            match self.try_write(&mut part).await {
+                Tried::Written => {}
+                Tried::Refused(e) if part.len() > 1 => {
+                    tracing::warn!(error = %e, outcomes = part.len(), "the database refuses a batch of outcomes; splitting it");
+                    let half = part.split_off(part.len() / 2);
+                    parts.push(half);
+                    parts.push(part);
+                }
+                Tried::Refused(e) => {
+                    let s = &mut part[0];
+                    match &s.kind {
+                        SettleKind::Retry { .. } | SettleKind::Release => {
+                            tracing::error!(id = s.lease.id, error = %e, "the database refuses this outcome; dead-lettering the message");
+                            s.kind = SettleKind::Dead {
+                                reason: format!("postbox could not record its outcome: {e}"),
+                            };
+                            parts.push(part);
+                        }
+                        _ => {
+                            tracing::error!(id = s.lease.id, error = %e, "the database refuses this outcome; it is left to lease expiry");
+                            self.observer.lease_lost(1);
+                        }
+                    }
+                }
+                Tried::OutOfTime(e) => {
+                    tracing::error!(error = %e, outcomes = part.len(), "shutdown deadline reached with outcomes unwritten; they are left to lease expiry");
+                    self.observer.lease_lost(part.len());
+                }
+            }
+        }
+    }
+
+    async fn try_write(&self, buf: &mut Vec<Settle>) -> Tried {
+        let mut complete = Vec::new();
+        let mut heads = 0;
+        let mut retry = Vec::new();
+        let mut dead = Vec::new();
+        let mut release = Vec::new();
+        for s in buf.iter() {
+            match &s.kind {
+                SettleKind::Complete => {
+                    complete.push(s.lease);
+                    heads += usize::from(s.ordered);
+                }
+                SettleKind::Retry { error, delay } => retry.push(Retry {
+                    lease: s.lease,
+                    error: error.clone(),
+                    delay: *delay,
+                }),
+                SettleKind::Dead { reason } => dead.push(Dead {
+                    lease: s.lease,
+                    reason: reason.clone(),
+                }),
+                SettleKind::Release => release.push(s.lease),
+            }
+        }
+        let reserved = self.hand_over.reserve(heads);
+        let take = reserved.as_ref().map_or(0, |r| r.1);
+        let mut pause = Duration::from_millis(50);
+        let mut tries = 0;
+        let mut give_up_at: Option<Instant> = None;
+        let store = self.store;
+        let ((c, next), r, d, l) = loop {
+            let result = tokio::try_join!(
+                store.complete_and_take(&complete, take, self.hand_over.lease()),
+                store.retry(&retry),
+                store.dead_letter(&dead),
+                store.release(&release),
+            );
+            let e = match result {
+                Ok(ok) => break ok,
+                Err(e) => e,
+            };
+            tries += 1;
+            if self.hand_over.shutdown().is_cancelled() {
+                let at = *give_up_at.get_or_insert_with(|| Instant::now() + self.shutdown_deadline);
+                if Instant::now() >= at {
+                    return Tried::OutOfTime(e);
+                }
+            }
+            if tries >= TRIES_BEFORE_SPLIT && store.ping().await.is_ok() {
+                return Tried::Refused(e);
+            }
+            tracing::warn!(error = %e, outcomes = buf.len(), retry_in = ?pause, "completer cannot write outcomes");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(5));
+        };
+        if let Some((permits, _)) = reserved {
+            self.observer.claimed(next.len());
+            self.hand_over.push(next, permits);
+        }
+        // Report per message: what happened to it, as the database saw it.
+        let now = Utc::now();
+        let fenced: HashSet<i64> = c
+            .fenced
+            .iter()
+            .chain(&r.fenced)
+            .chain(&d.fenced)
+            .chain(&l.fenced)
+            .copied()
+            .collect();
+        let exhausted: HashSet<i64> = r.dead.iter().copied().collect();
+        for s in buf.drain(..) {
+            let what = if fenced.contains(&s.lease.id) {
+                Settlement::Fenced
+            } else {
+                match s.kind {
+                    SettleKind::Complete => Settlement::Delivered,
+                    SettleKind::Retry { .. } if exhausted.contains(&s.lease.id) => {
+                        Settlement::DeadLettered
+                    }
+                    SettleKind::Retry { .. } => Settlement::Retried,
+                    SettleKind::Dead { .. } => Settlement::DeadLettered,
+                    SettleKind::Release => Settlement::Released,
+                }
+            };
+            let age = (now - s.created_at).to_std().unwrap_or_default();
+            self.observer.settled(&s.topic, self.sink.name(), what, age);
+        }
+        Tried::Written
+    }
+}

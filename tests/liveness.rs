@@ -1,0 +1,132 @@
+//! Liveness: outcomes the database refuses, and outcomes that cannot be stored as given, do not
+//! stall the engine; everything else keeps being delivered.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{TestDb, enqueue, eventually};
+use postbox::Message;
+use postbox::engine::Engine;
+use postbox::sink::handlers::{HandlerError, Handlers, Job};
+use tokio_util::sync::CancellationToken;
+
+/// Handlers for topic `t`: payload "ok" succeeds, anything else fails with what `fail` returns.
+fn handlers(fail: fn(&str) -> HandlerError) -> Handlers {
+    Handlers::new().on("t", move |job: Job<String>| async move {
+        if job.payload == "ok" {
+            Ok(())
+        } else {
+            Err(fail(&job.payload))
+        }
+    })
+}
+
+async fn start(
+    db: &TestDb,
+    handlers: Handlers,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<postbox::Result<postbox::engine::RunReport>>,
+) {
+    let engine = Engine::builder(db.url.clone())
+        .handlers(handlers)
+        .poll_interval(Duration::from_millis(50))
+        .shutdown_deadline(Duration::from_secs(5))
+        .build()
+        .await
+        .unwrap();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(engine.run(stop.clone()));
+    (stop, task)
+}
+
+fn ok_messages(n: usize) -> Vec<Message> {
+    (0..n).map(|_| Message::new("t").payload("ok")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_with_a_nul_in_its_reason_and_an_endless_delay_is_stored_and_stalls_nothing() {
+    let db = TestDb::migrated();
+    let mut msgs = ok_messages(30);
+    msgs.insert(10, Message::new("t").payload("poison"));
+    let ids = enqueue(&db, msgs);
+    let poison = ids[10];
+    let (stop, task) = start(
+        &db,
+        handlers(|_| {
+            HandlerError::retry_after(format!("bad\0reason {}", "x".repeat(20_000)), Duration::MAX)
+        }),
+    )
+    .await;
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            db.scalar("SELECT count(*) AS v FROM postbox.messages") == 1
+                && db.scalar(&format!(
+                    "SELECT count(*) AS v FROM postbox.messages WHERE id = {poison} AND state = 'scheduled'"
+                )) == 1
+        })
+        .await,
+        "the other messages were not delivered, or the poison's retry was not written"
+    );
+    // Stored as PostgreSQL can: no NUL, cut to a bounded length, the delay shortened to a year.
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) AS v FROM postbox.messages WHERE id = {poison}
+               AND position(U&'\\FFFD' IN last_error) > 0
+               AND octet_length(last_error) <= 8 * 1024
+               AND run_at BETWEEN now() + interval '364 days' AND now() + interval '366 days'"
+        )),
+        1,
+        "{}",
+        db.scalar(&format!(
+            "SELECT (octet_length(last_error)::bigint * 1000000 + position(U&'\\FFFD' IN last_error))::bigint AS v FROM postbox.messages WHERE id = {poison}"
+        ))
+    );
+    let t = Instant::now();
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_the_database_refuses_is_isolated_and_its_message_dead_lettered() {
+    let db = TestDb::migrated();
+    // Any statement that records this error fails, as a statement error would.
+    db.exec(
+        "CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'refused by the test'; END $$;
+         CREATE TRIGGER refuse BEFORE UPDATE ON postbox.messages FOR EACH ROW
+             WHEN (NEW.last_error = 'refuse me') EXECUTE FUNCTION public.refuse();",
+    );
+    let mut msgs = ok_messages(40);
+    msgs.insert(20, Message::new("t").payload("poison"));
+    let ids = enqueue(&db, msgs);
+    let poison = ids[20];
+    let (stop, task) = start(&db, handlers(|_| HandlerError::retry("refuse me"))).await;
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
+        })
+        .await,
+        "messages left: {}",
+        db.scalar("SELECT count(*) AS v FROM postbox.messages")
+    );
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) AS v FROM postbox.dead_letters
+             WHERE id = {poison} AND reason LIKE '%could not record its outcome%refused by the test%'"
+        )),
+        1
+    );
+    // The engine keeps delivering.
+    enqueue(&db, ok_messages(5));
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
+        })
+        .await
+    );
+    stop.cancel();
+    task.await.unwrap().unwrap();
+}
