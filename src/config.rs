@@ -62,6 +62,16 @@ pub struct RelaySection {
     pub schedule_interval: Option<Duration>,
     #[serde(default, with = "opt_duration")]
     pub shutdown_deadline: Option<Duration>,
+    /// A delivery running longer counts as a failed attempt.
+    #[serde(default, with = "opt_duration")]
+    pub delivery_timeout: Option<Duration>,
+    /// Per-topic delivery timeouts: `{ "reports.*" = "1h" }`; the longest matching pattern wins.
+    #[serde(
+        default,
+        with = "duration_map",
+        skip_serializing_if = "BTreeMap::is_empty"
+    )]
+    pub topic_timeouts: BTreeMap<String, Duration>,
 }
 
 /// `[metrics]`.
@@ -201,6 +211,33 @@ mod opt_duration {
     }
 }
 
+mod duration_map {
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(
+        m: &BTreeMap<String, Duration>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_map(m.iter().map(|(k, d)| (k, super::format_duration(*d))))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<BTreeMap<String, Duration>, D::Error> {
+        BTreeMap::<String, String>::deserialize(d)?
+            .into_iter()
+            .map(|(k, v)| {
+                super::parse_duration(&v)
+                    .map(|d| (k.clone(), d))
+                    .map_err(|e| serde::de::Error::custom(format!("{k:?}: {e}")))
+            })
+            .collect()
+    }
+}
+
 /// The configuration a relay runs with, every default filled in and validated.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
@@ -297,6 +334,14 @@ impl Config {
         engine.shutdown_deadline = r
             .shutdown_deadline
             .unwrap_or(defaults::DEFAULT_SHUTDOWN_DEADLINE);
+        engine.delivery_timeout = r
+            .delivery_timeout
+            .unwrap_or(defaults::DEFAULT_DELIVERY_TIMEOUT);
+        engine.topic_timeouts = r
+            .topic_timeouts
+            .iter()
+            .map(|(k, d)| (k.clone(), *d))
+            .collect();
         engine.validate().map_err(|e| match e {
             crate::Error::InvalidArgument { field, problem } => {
                 err(format!("relay.{field}"), problem)
@@ -423,6 +468,8 @@ impl Settings {
                 poll_interval: Some(self.engine.poll_interval),
                 schedule_interval: Some(self.engine.schedule_interval),
                 shutdown_deadline: Some(self.engine.shutdown_deadline),
+                delivery_timeout: Some(self.engine.delivery_timeout),
+                topic_timeouts: self.engine.topic_timeouts.iter().cloned().collect(),
             },
             metrics: MetricsSection {
                 listen: Some(self.metrics_listen.to_string()),
@@ -538,6 +585,24 @@ sink = "log"
             .resolve(Overrides::default())
             .unwrap();
         assert_eq!(tuned.engine.schedule_interval, Duration::from_millis(250));
+        assert_eq!(s.engine.delivery_timeout, Duration::from_secs(60));
+        let timed = Config::from_toml(
+            "[relay]\ndelivery_timeout = \"10s\"\ntopic_timeouts = { \"reports.*\" = \"1h\", \"reports.big\" = \"2h\" }\n",
+        )
+        .unwrap()
+        .resolve(Overrides::default())
+        .unwrap();
+        assert_eq!(timed.engine.timeout_for("orders"), Duration::from_secs(10));
+        assert_eq!(
+            timed.engine.timeout_for("reports.x"),
+            Duration::from_secs(3600)
+        );
+        assert_eq!(
+            timed.engine.timeout_for("reports.big"),
+            Duration::from_secs(7200)
+        );
+        let e = Config::from_toml("[relay]\ntopic_timeouts = { \"a\" = \"soon\" }\n").unwrap_err();
+        assert!(e.to_string().contains("topic_timeouts"), "{e}");
         assert_eq!(s.routes.len(), 2);
         assert_eq!(s.kafka.unwrap().properties["compression.type"], "lz4");
     }

@@ -371,7 +371,8 @@ async fn lease_extension_keeps_a_slow_message_from_a_second_engine() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn graceful_shutdown_hands_back_running_messages_without_using_attempts() {
+async fn graceful_shutdown_retries_deliveries_cut_off_at_the_deadline_and_leaves_the_rest_untouched()
+ {
     let db = TestDb::migrated();
     let started = Arc::new(AtomicUsize::new(0));
     let s = started.clone();
@@ -407,12 +408,20 @@ async fn graceful_shutdown_hands_back_running_messages_without_using_attempts() 
         2
     );
     let report = running.stop().await;
-    assert_eq!(report.released, 2);
+    // The two cut off used their attempt (retried with backoff); the three never claimed did not.
+    assert_eq!((report.retried, report.released), (2, 0));
     assert_eq!(
         db.scalar(
-            "SELECT count(*) AS v FROM postbox.messages WHERE attempts = 0 AND locked_until IS NULL"
+            "SELECT count(*) AS v FROM postbox.messages WHERE attempts = 1 AND state = 'scheduled'
+               AND last_error LIKE 'delivery interrupted by shutdown%'"
         ),
-        5,
+        2
+    );
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.messages WHERE attempts = 0 AND state = 'available'"
+        ),
+        3,
         "a message kept its lease or lost an attempt"
     );
 }
@@ -755,10 +764,10 @@ async fn a_second_signal_hands_running_messages_back_at_once() {
         .expect("hard stop did not stop")
         .unwrap()
         .unwrap();
-    assert_eq!(report.released, 1);
+    assert_eq!((report.retried, report.released), (1, 0));
     assert_eq!(
         db.scalar(
-            "SELECT count(*) AS v FROM postbox.messages WHERE attempts = 0 AND locked_until IS NULL"
+            "SELECT count(*) AS v FROM postbox.messages WHERE attempts = 1 AND locked_until IS NULL"
         ),
         1
     );

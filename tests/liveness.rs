@@ -130,3 +130,93 @@ async fn an_outcome_the_database_refuses_is_isolated_and_its_message_dead_letter
     stop.cancel();
     task.await.unwrap().unwrap();
 }
+
+/// Handlers for topic `t` that never return for payload "hang".
+fn hanging() -> Handlers {
+    Handlers::new().on("t", |job: Job<String>| async move {
+        if job.payload == "hang" {
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    })
+}
+
+fn fast_backoff() -> postbox::Backoff {
+    postbox::Backoff {
+        base: Duration::from_millis(20),
+        cap: Duration::from_millis(100),
+        jitter: 0.0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_never_returns_times_out_and_ends_in_the_dead_letters() {
+    let db = TestDb::migrated();
+    let mut msgs = ok_messages(10);
+    msgs.push(Message::new("t").payload("hang").max_attempts(2));
+    let ids = enqueue(&db, msgs);
+    let hung = ids[10];
+    let engine = Engine::builder(db.url.clone())
+        .handlers(hanging())
+        .delivery_timeout(Duration::from_secs(3600))
+        .topic_timeout("t", Duration::from_millis(200))
+        .backoff(fast_backoff())
+        .build()
+        .await
+        .unwrap();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(engine.run(stop.clone()));
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
+        })
+        .await
+    );
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) AS v FROM postbox.dead_letters
+             WHERE id = {hung} AND attempts = 2 AND reason LIKE '%timed out after 200ms%'"
+        )),
+        1
+    );
+    stop.cancel();
+    let report = task.await.unwrap().unwrap();
+    assert_eq!((report.delivered, report.dead_lettered), (10, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_cut_off_by_shutdown_use_their_attempt_so_a_hang_ends_in_the_dead_letters_across_restarts()
+ {
+    let db = TestDb::migrated();
+    let id = enqueue(&db, vec![Message::new("t").payload("hang").max_attempts(2)])[0];
+    for restart in 0..2 {
+        let engine = Engine::builder(db.url.clone())
+            .handlers(hanging())
+            .shutdown_deadline(Duration::from_millis(100))
+            .backoff(fast_backoff())
+            .poll_interval(Duration::from_millis(50))
+            .build()
+            .await
+            .unwrap();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(engine.run(stop.clone()));
+        assert!(
+            eventually(Duration::from_secs(10), || async {
+                db.scalar(&format!(
+                    "SELECT count(*) AS v FROM postbox.messages WHERE id = {id} AND state = 'running'"
+                )) == 1
+            })
+            .await,
+            "not claimed after restart {restart}"
+        );
+        stop.cancel();
+        task.await.unwrap().unwrap();
+    }
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) AS v FROM postbox.dead_letters
+             WHERE id = {id} AND attempts = 2 AND reason LIKE '%interrupted by shutdown%'"
+        )),
+        1
+    );
+}

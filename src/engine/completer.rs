@@ -146,6 +146,14 @@ impl HandOver {
         &self.shutdown
     }
 
+    /// The leases of the handed-over messages no claim loop dispatched (at shutdown).
+    pub(crate) fn take_queued(&self) -> Vec<Lease> {
+        let mut q = self.queue.lock().expect("hand-over lock");
+        q.drain(..)
+            .flat_map(|(batch, _)| batch.into_iter().map(|m| m.lease()))
+            .collect()
+    }
+
     /// The next handed-over batch to dispatch, with its permits.
     pub(crate) fn pop(&self) -> Option<(Vec<ClaimedMessage>, OwnedSemaphorePermit)> {
         self.queue.lock().expect("hand-over lock").pop_front()

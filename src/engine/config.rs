@@ -30,6 +30,10 @@ pub const DEFAULT_SHUTDOWN_DEADLINE: Duration = Duration::from_secs(25);
 /// Longest the scheduler sleeps between looks for due scheduled messages (it sleeps exactly until
 /// the next known one is due when that is sooner).
 pub const DEFAULT_SCHEDULE_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Longest a delivery may run (a handler call, a batch to Kafka) before it counts as a failed
+/// attempt, as River's default job timeout. Longer jobs set a per-topic override.
+pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often expired leases are rescued.
 pub const DEFAULT_RESCUE_INTERVAL: Duration = Duration::from_secs(10);
 /// Most outcomes written per completer flush.
@@ -71,6 +75,13 @@ pub struct EngineConfig {
     pub max_unavailable_backoff: Duration,
     /// Stop by itself once nothing claimable is left and nothing is in flight.
     pub drain: bool,
+    /// A delivery still running after this long is cut off and counts as a failed attempt (retried
+    /// with backoff, dead-lettered at `max_attempts`): a handler that hangs cannot hold its
+    /// message, its concurrency slot and its ordered key forever.
+    pub delivery_timeout: Duration,
+    /// Per-topic `delivery_timeout`s, `(pattern, timeout)` (`*` matches any run of characters);
+    /// of the patterns that match a topic, the longest wins.
+    pub topic_timeouts: Vec<(String, Duration)>,
 }
 
 impl Default for EngineConfig {
@@ -89,6 +100,8 @@ impl Default for EngineConfig {
             completer_batch: DEFAULT_COMPLETER_BATCH,
             max_unavailable_backoff: DEFAULT_MAX_UNAVAILABLE_BACKOFF,
             drain: false,
+            delivery_timeout: DEFAULT_DELIVERY_TIMEOUT,
+            topic_timeouts: Vec::new(),
         }
     }
 }
@@ -101,8 +114,27 @@ fn invalid(field: &'static str, problem: impl Into<String>) -> Error {
 }
 
 impl EngineConfig {
+    /// The delivery timeout of `topic`.
+    pub fn timeout_for(&self, topic: &str) -> Duration {
+        self.topic_timeouts
+            .iter()
+            .filter(|(pattern, _)| crate::store::Topics::only([pattern]).matches(topic))
+            .max_by_key(|(pattern, _)| pattern.len())
+            .map_or(self.delivery_timeout, |(_, t)| *t)
+    }
+
     /// Checks every setting; the error names the first field that is wrong.
     pub fn validate(&self) -> Result<()> {
+        for t in std::iter::once(&self.delivery_timeout)
+            .chain(self.topic_timeouts.iter().map(|(_, t)| t))
+        {
+            if *t < Duration::from_millis(10) {
+                return Err(invalid(
+                    "delivery_timeout",
+                    format!("must be at least 10ms, got {t:?}"),
+                ));
+            }
+        }
         if self.batch_size == 0 || self.batch_size > 10_000 {
             return Err(invalid(
                 "batch_size",

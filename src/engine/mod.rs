@@ -117,6 +117,16 @@ impl EngineBuilder {
         self
     }
     /// Shutdown deadline (default 25 s).
+    /// See [`EngineConfig::delivery_timeout`].
+    pub fn delivery_timeout(mut self, d: Duration) -> Self {
+        self.config.delivery_timeout = d;
+        self
+    }
+    /// A delivery timeout for the topics `pattern` matches (`*` globs), e.g. long report jobs.
+    pub fn topic_timeout(mut self, pattern: impl Into<String>, d: Duration) -> Self {
+        self.config.topic_timeouts.push((pattern.into(), d));
+        self
+    }
     pub fn shutdown_deadline(mut self, d: Duration) -> Self {
         self.config.shutdown_deadline = d;
         self
@@ -319,7 +329,7 @@ impl Engine {
             shutdown: shutdown.clone(),
             permits,
             rate: producer::ClaimRate::new(),
-            hand_over,
+            hand_over: hand_over.clone(),
         });
         let loops: Vec<_> = (0..self.config.claimers)
             .map(|_| tokio::spawn(producer.clone().run()))
@@ -351,9 +361,21 @@ impl Engine {
         }
         // Every sender is gone once the deliveries are: the completer writes what it has and ends.
         let _ = completer.await;
-        let abandoned = inflight.take_all();
-        if !abandoned.is_empty() {
-            self.release(&abandoned, &*observer).await;
+        // Handed-over messages that never started go back without using an attempt; deliveries
+        // cut off by the deadline (or a hard stop) used theirs: they are retried with backoff, and
+        // dead-lettered at max_attempts, so a handler that always hangs cannot live forever
+        // through restarts.
+        let not_started: std::collections::HashSet<i64> =
+            hand_over.take_queued().iter().map(|l| l.id).collect();
+        let (not_started, interrupted): (Vec<_>, Vec<_>) = inflight
+            .take_all()
+            .into_iter()
+            .partition(|l| not_started.contains(&l.id));
+        if !not_started.is_empty() {
+            self.release(&not_started, &*observer).await;
+        }
+        if !interrupted.is_empty() {
+            self.interrupt(&interrupted, &*observer).await;
         }
         background.cancel();
         let _ = heartbeat.await;
@@ -363,6 +385,37 @@ impl Engine {
             let _ = t.await;
         }
         Ok(self.counters.snapshot())
+    }
+
+    async fn interrupt(&self, leases: &[crate::store::Lease], observer: &dyn Observer) {
+        let retries: Vec<crate::store::Retry> = leases
+            .iter()
+            .map(|&lease| crate::store::Retry {
+                lease,
+                error: format!(
+                    "delivery interrupted by shutdown after the {:?} deadline",
+                    self.config.shutdown_deadline
+                ),
+                delay: None,
+            })
+            .collect();
+        match self.store.retry(&retries).await {
+            Ok(r) => {
+                let sink = self.sink.name();
+                for _ in &r.retried {
+                    observer.settled("", sink, Settlement::Retried, Duration::ZERO);
+                }
+                for _ in &r.dead {
+                    observer.settled("", sink, Settlement::DeadLettered, Duration::ZERO);
+                }
+                for _ in &r.fenced {
+                    observer.settled("", sink, Settlement::Fenced, Duration::ZERO);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, n = leases.len(), "could not record interrupted deliveries; their leases will expire")
+            }
+        }
     }
 
     async fn release(&self, leases: &[crate::store::Lease], observer: &dyn Observer) {

@@ -323,9 +323,15 @@ impl Producer {
                 .split(1)
                 .expect("a permit was reserved for every chunk");
             let part: Vec<ClaimedMessage> = rest.by_ref().take(chunk).collect();
+            let timeout = part
+                .iter()
+                .map(|m| self.config.timeout_for(&m.topic))
+                .max()
+                .unwrap_or(self.config.delivery_timeout);
             tasks.spawn(deliver(
                 self.sink.clone(),
                 part,
+                timeout,
                 permit,
                 self.settle_tx.clone(),
                 self.inflight.clone(),
@@ -341,6 +347,7 @@ impl Producer {
 async fn deliver(
     sink: Arc<dyn Sink>,
     chunk: Vec<ClaimedMessage>,
+    timeout: Duration,
     permit: OwnedSemaphorePermit,
     tx: mpsc::Sender<Settle>,
     inflight: Arc<InFlight>,
@@ -354,8 +361,21 @@ async fn deliver(
         .collect();
     let n = chunk.len();
     let started = Instant::now();
-    let result = AssertUnwindSafe(sink.deliver(chunk)).catch_unwind().await;
+    let result = tokio::time::timeout(
+        timeout,
+        AssertUnwindSafe(sink.deliver(chunk)).catch_unwind(),
+    )
+    .await;
     observer.delivery(sink.name(), n, started.elapsed());
+    let Ok(result) = result else {
+        let error = format!("delivery timed out after {timeout:?}");
+        tracing::warn!(sink = sink.name(), messages = n, "{error}");
+        let kinds = (0..n).map(|_| SettleKind::Retry {
+            error: error.clone(),
+            delay: None,
+        });
+        return settle(meta, kinds, tx, inflight, unwritten, permit).await;
+    };
     let kinds: Vec<SettleKind> = match result {
         Ok(Ok(outcomes)) if outcomes.len() == n => {
             health.up(&*observer, sink.name());
@@ -389,6 +409,18 @@ async fn deliver(
                 .collect()
         }
     };
+    settle(meta, kinds, tx, inflight, unwritten, permit).await;
+}
+
+/// Hands a delivery's outcomes to the completer.
+async fn settle(
+    meta: Vec<(Lease, String, bool, chrono::DateTime<chrono::Utc>)>,
+    kinds: impl IntoIterator<Item = SettleKind>,
+    tx: mpsc::Sender<Settle>,
+    inflight: Arc<InFlight>,
+    unwritten: Arc<AtomicUsize>,
+    permit: OwnedSemaphorePermit,
+) {
     for ((lease, topic, ordered, created_at), kind) in meta.into_iter().zip(kinds) {
         unwritten.fetch_add(1, Ordering::AcqRel);
         if tx

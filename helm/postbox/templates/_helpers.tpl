@@ -84,6 +84,11 @@ concurrency = {{ .Values.config.relay.concurrency | int }}
 lease = {{ .Values.config.relay.lease | quote }}
 poll_interval = {{ .Values.config.relay.pollInterval | quote }}
 shutdown_deadline = {{ .Values.config.relay.shutdownDeadline | quote }}
+delivery_timeout = {{ .Values.config.relay.deliveryTimeout | quote }}
+{{- with .Values.config.relay.topicTimeouts }}
+{{- $first := true }}
+topic_timeouts = { {{- range $pattern, $timeout := . }}{{ if not $first }},{{ end }} {{ $pattern | quote }} = {{ $timeout | quote }}{{ $first = false }}{{- end }} }
+{{- end }}
 
 [metrics]
 listen = "0.0.0.0:{{ .Values.config.metrics.port | int }}"
