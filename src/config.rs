@@ -148,10 +148,15 @@ impl Overrides {
             poll_interval: var("POSTBOX_POLL_INTERVAL"),
             shutdown_deadline: var("POSTBOX_SHUTDOWN_DEADLINE"),
             kafka_brokers: var("POSTBOX_KAFKA_BROKERS"),
-            kafka_properties: std::env::vars()
+            // vars_os: other programs' variables need not be UTF-8 (vars() would panic).
+            kafka_properties: std::env::vars_os()
                 .filter_map(|(k, v)| {
-                    let name = k.strip_prefix("POSTBOX_KAFKA_PROPERTY_")?;
-                    Some((name.to_ascii_lowercase().replace('_', "."), v))
+                    let name = k.to_str()?.strip_prefix("POSTBOX_KAFKA_PROPERTY_")?;
+                    let Some(v) = v.to_str() else {
+                        tracing::warn!(variable = %k.to_string_lossy(), "not UTF-8; ignored");
+                        return None;
+                    };
+                    Some((name.to_ascii_lowercase().replace('_', "."), v.to_owned()))
                 })
                 .collect(),
         }

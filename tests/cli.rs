@@ -183,6 +183,19 @@ fn messages_that_sql_cannot_store_are_refused_with_exit_2_and_nothing_written() 
 }
 
 #[test]
+fn an_environment_variable_that_is_not_utf8_does_not_crash_the_relay() {
+    use std::os::unix::ffi::OsStrExt;
+    let out = Command::new(BIN)
+        .args(["config", "check"])
+        .env_remove("DATABASE_URL")
+        .env_remove("POSTBOX_DATABASE_URL")
+        .env("SOME_OTHER_TOOL", std::ffi::OsStr::from_bytes(b"caf\xe9"))
+        .output()
+        .expect("run postbox");
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+}
+
+#[test]
 fn migrate_creates_the_database_then_the_commands_work_on_it() {
     let db = TestDb::empty();
     // A database that does not exist yet: migrate creates it.

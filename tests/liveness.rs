@@ -220,3 +220,27 @@ async fn deliveries_cut_off_by_shutdown_use_their_attempt_so_a_hang_ends_in_the_
         1
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rescuer_drops_registrations_of_listeners_that_died_while_waiting() {
+    let db = TestDb::migrated();
+    // A live backend's registration stays; one whose backend is gone (pid not in use) goes.
+    let _other_backend = db.aconn().await;
+    db.exec(
+        "INSERT INTO postbox.listeners (pid)
+         SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() LIMIT 1;
+         INSERT INTO postbox.listeners (pid) VALUES (2147483000);",
+    );
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.listeners"), 2);
+    let store = db.store().await;
+    postbox::engine::Rescuer::new(store, Duration::from_secs(1))
+        .run_once()
+        .await
+        .unwrap();
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.listeners WHERE pid = 2147483000"),
+        0,
+        "the dead registration is still there: every writer keeps notifying"
+    );
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.listeners"), 1);
+}

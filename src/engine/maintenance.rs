@@ -24,8 +24,16 @@ impl Rescuer {
         Rescuer { store, interval }
     }
 
-    /// Rescues every lease expired now, in batches; returns what it did.
+    /// Rescues every lease expired now, in batches, and drops the registrations of listeners that
+    /// died while waiting; returns what it rescued.
     pub async fn run_once(&self) -> Result<RetryReport> {
+        let stale = self.store.clean_listeners().await?;
+        if stale > 0 {
+            tracing::info!(
+                stale,
+                "dropped the registrations of listeners that are gone"
+            );
+        }
         let mut total = RetryReport::default();
         loop {
             let r = self.store.rescue_expired().await?;

@@ -22,19 +22,24 @@ use crate::store::{ClaimedMessage, Lease, Store, Topics};
 /// In drain mode, the longest wait for the completer before claiming again.
 const DRAIN_POLL: Duration = Duration::from_millis(20);
 
-/// Messages claimed by this engine whose outcome has not reached the completer yet.
+/// Messages claimed by this engine whose outcome has not reached the completer yet, by lease (id
+/// and token): a message whose lease was lost and that this engine claimed again is two entries,
+/// and the late end of the first delivery does not take the second out of the heartbeat.
 #[derive(Default)]
 pub(crate) struct InFlight {
-    leases: Mutex<HashMap<i64, Lease>>,
+    leases: Mutex<HashMap<(i64, i64), Lease>>,
 }
 
 impl InFlight {
     pub(crate) fn add(&self, batch: &[ClaimedMessage]) {
         let mut m = self.leases.lock().expect("in-flight lock");
-        m.extend(batch.iter().map(|c| (c.id, c.lease())));
+        m.extend(batch.iter().map(|c| ((c.id, c.lease_token), c.lease())));
     }
-    fn remove(&self, id: i64) {
-        self.leases.lock().expect("in-flight lock").remove(&id);
+    fn remove(&self, lease: Lease) {
+        self.leases
+            .lock()
+            .expect("in-flight lock")
+            .remove(&(lease.id, lease.token));
     }
     pub(crate) fn leases(&self) -> Vec<Lease> {
         self.leases
@@ -437,7 +442,7 @@ async fn settle(
             unwritten.fetch_sub(1, Ordering::AcqRel);
             break; // completer gone: shutdown releases what is left in flight
         }
-        inflight.remove(lease.id);
+        inflight.remove(lease);
     }
     drop(permit);
 }
@@ -462,6 +467,21 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "non-string panic payload".to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn in_flight_entries_are_per_lease_not_per_message() {
+        let f = InFlight::default();
+        let (old, new) = (Lease { id: 7, token: 1 }, Lease { id: 7, token: 2 });
+        f.leases.lock().unwrap().insert((7, 1), old);
+        f.leases.lock().unwrap().insert((7, 2), new);
+        f.remove(old);
+        assert_eq!(f.leases(), vec![new]);
     }
 }
 

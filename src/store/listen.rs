@@ -16,6 +16,20 @@ pub async fn register_listener(conn: &mut AsyncPgConnection) -> Result<()> {
     Ok(())
 }
 
+impl crate::store::Store {
+    /// Drops the registrations of waiting listeners whose backend is gone (a relay killed while
+    /// waiting): while one is left, every writer NOTIFYs for nothing. Returns how many.
+    pub async fn clean_listeners(&self) -> Result<usize> {
+        use diesel_async::RunQueryDsl;
+        let mut conn = self.conn().await?;
+        Ok(diesel::sql_query(
+            "DELETE FROM postbox.listeners WHERE pid NOT IN (SELECT pid FROM pg_stat_activity)",
+        )
+        .execute(&mut conn)
+        .await?)
+    }
+}
+
 /// Unregisters the backend of `conn`: writers stop notifying unless another relay waits.
 pub async fn unregister_listener(conn: &mut AsyncPgConnection) -> Result<()> {
     conn.batch_execute("DELETE FROM postbox.listeners WHERE pid = pg_backend_pid()")
