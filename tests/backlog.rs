@@ -502,9 +502,12 @@ async fn stats_stay_exact_when_small_and_are_estimated_from_a_sample_when_large(
         ("a", by["a"].available, 29_998.0),
         ("b", by["b"].scheduled, 40_000.0),
     ] {
+        // The sample takes whole pages (about 170 of the table's 580 here, each topic's rows on
+        // pages of their own), so one standard deviation is about 10 % of a topic's count: ±40 %
+        // is four of them.
         let e = estimate as f64;
         assert!(
-            (actual * 0.75..=actual * 1.25).contains(&e),
+            (actual * 0.6..=actual * 1.4).contains(&e),
             "{topic}: estimated {e}, there are {actual}"
         );
     }

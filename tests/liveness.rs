@@ -244,3 +244,56 @@ async fn the_rescuer_drops_registrations_of_listeners_that_died_while_waiting() 
     );
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.listeners"), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_that_inserted_before_the_relay_registered_and_commits_after_its_last_look_wakes_it()
+ {
+    use diesel::connection::SimpleConnection;
+    let db = TestDb::migrated();
+    // The writer inserts while no relay waits: its insert queues no NOTIFY.
+    let mut writer = db.conn();
+    writer
+        .batch_execute(
+            "BEGIN; INSERT INTO postbox.messages (topic, payload) VALUES ('t', '\"ok\"')",
+        )
+        .unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let handlers = Handlers::new().on("t", move |job: Job<String>| {
+        let tx = tx.clone();
+        async move {
+            let _ = tx.send(job.id);
+            Ok(())
+        }
+    });
+    let engine = Engine::builder(db.url.clone())
+        .handlers(handlers)
+        .poll_interval(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(engine.run(stop.clone()));
+    // The relay registers as waiting and looks once more (finding nothing: not committed yet).
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            db.scalar("SELECT count(*) AS v FROM postbox.listeners") == 1
+        })
+        .await
+    );
+    // Let its last look pass (this orders the race the test is about; it cannot make it pass).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let committed = Instant::now();
+    writer.batch_execute("COMMIT").unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await;
+    assert!(
+        got.is_ok(),
+        "the message waited for the 60 s poll: nothing woke the relay"
+    );
+    assert!(
+        committed.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        committed.elapsed()
+    );
+    stop.cancel();
+    task.await.unwrap().unwrap();
+}

@@ -14,6 +14,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::store;
 
+/// First and longest pause between looks at the writers in progress at registration.
+const WRITERS_FIRST_CHECK: Duration = Duration::from_millis(5);
+const WRITERS_LAST_CHECK: Duration = Duration::from_millis(500);
+
 enum Command {
     /// Register as waiting; answers once the registration committed.
     Arm(oneshot::Sender<bool>),
@@ -73,6 +77,8 @@ impl Notifier {
 
 enum Event {
     Notified,
+    /// Time to look whether writers in progress at registration have ended.
+    CheckWriters,
     Lost(String),
     Command(Option<Command>),
     HealthCheck,
@@ -109,6 +115,10 @@ async fn run(
         // Anything committed while we were not listening is found by a claim.
         shared.wake.notify_one();
         let mut armed = false;
+        // Transactions in progress when we registered (see store::register_listener), and when
+        // to look at them next.
+        let mut writers: Vec<i64> = Vec::new();
+        let mut check_in = WRITERS_FIRST_CHECK;
         loop {
             let event = {
                 let mut stream = std::pin::pin!(conn.notifications_stream());
@@ -119,6 +129,7 @@ async fn run(
                         None => Event::Lost("connection closed".into()),
                     },
                     c = commands.recv() => Event::Command(c),
+                    _ = tokio::time::sleep(check_in), if armed && !writers.is_empty() => Event::CheckWriters,
                     _ = tokio::time::sleep(Duration::from_secs(5)) => Event::HealthCheck,
                     _ = stop.cancelled() => Event::Stop,
                 }
@@ -133,12 +144,27 @@ async fn run(
                         Ok(())
                     }
                 }
+                Event::CheckWriters => match store::still_running(&mut conn, &writers).await {
+                    Ok(left) => {
+                        if left.len() < writers.len() {
+                            // A writer ended: if it committed a message, no NOTIFY told us.
+                            shared.wake.notify_one();
+                        }
+                        writers = left;
+                        check_in = (check_in * 2).min(WRITERS_LAST_CHECK);
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                },
                 Event::Lost(e) => Err(crate::Error::Pool(e)),
                 Event::Command(Some(Command::Arm(ack))) => {
                     let r = if armed {
                         Ok(())
                     } else {
-                        store::register_listener(&mut conn).await
+                        store::register_listener(&mut conn).await.map(|xids| {
+                            writers = xids;
+                            check_in = WRITERS_FIRST_CHECK;
+                        })
                     };
                     armed = r.is_ok();
                     let _ = ack.send(armed);

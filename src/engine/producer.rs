@@ -470,21 +470,6 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn in_flight_entries_are_per_lease_not_per_message() {
-        let f = InFlight::default();
-        let (old, new) = (Lease { id: 7, token: 1 }, Lease { id: 7, token: 2 });
-        f.leases.lock().unwrap().insert((7, 1), old);
-        f.leases.lock().unwrap().insert((7, 2), new);
-        f.remove(old);
-        assert_eq!(f.leases(), vec![new]);
-    }
-}
-
 /// Extends the leases of everything in flight every third of the lease.
 pub(crate) async fn heartbeat(
     store: Store,
@@ -516,5 +501,20 @@ pub(crate) async fn heartbeat(
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "lease extension failed"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn in_flight_entries_are_per_lease_not_per_message() {
+        let f = InFlight::default();
+        let (old, new) = (Lease { id: 7, token: 1 }, Lease { id: 7, token: 2 });
+        f.leases.lock().unwrap().insert((7, 1), old);
+        f.leases.lock().unwrap().insert((7, 2), new);
+        f.remove(old);
+        assert_eq!(f.leases(), vec![new]);
     }
 }

@@ -25,7 +25,7 @@ mod stats;
 pub use self::{
     claim::{ClaimedMessage, Topics},
     dead::{DeadLetter, DeadSelector, ReplayReport},
-    listen::{listen, register_listener, unregister_listener},
+    listen::{listen, register_listener, still_running, unregister_listener},
     schedule::{PROMOTE_BATCH, Promoted},
     settle::{Dead, RESCUE_BATCH, Retry, RetryReport, Settled},
     stats::{
