@@ -385,6 +385,73 @@ async fn a_message_that_can_never_be_delivered_is_dead_lettered_with_the_reason(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_misconfigured_for_kafka_pauses_instead_of_dead_lettering_the_stream() {
+    let broker = Broker::start();
+    let db = TestDb::migrated();
+    let route = |kafka_topic: Option<&str>| {
+        let p = producer(
+            &broker.brokers(),
+            &properties(&[("message.timeout.ms", "2000")]),
+        )
+        .unwrap();
+        KafkaSink::new(p, Topics::all(), kafka_topic.map(str::to_owned))
+    };
+    let msgs: Vec<Message> = (0..5)
+        .map(|i| Message::new("events").payload(&i).max_attempts(1))
+        .collect();
+    postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
+    // A typo in the route's kafka_topic (a name Kafka refuses): every message would fail alike.
+    let engine = Engine::builder(&db.url)
+        .sink(route(Some("events typo!")))
+        .config(EngineConfig {
+            max_unavailable_backoff: Duration::from_millis(500),
+            ..config()
+        })
+        .build()
+        .await
+        .unwrap();
+    let (stop, task, counters) = start(engine);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            counters.snapshot().released >= 5
+        })
+        .await,
+        "{:?}",
+        counters.snapshot()
+    );
+    stop.cancel();
+    let report = task.await.unwrap().unwrap();
+    assert_eq!(report.dead_lettered, 0, "{report:?}");
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters"),
+        0
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE attempts = 0"),
+        5,
+        "the outage used attempts"
+    );
+    // The operator fixes the route: the backlog drains.
+    let engine = Engine::builder(&db.url)
+        .sink(route(Some("events")))
+        .config(config())
+        .build()
+        .await
+        .unwrap();
+    let (stop, task, counters) = start(engine);
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            counters.snapshot().delivered == 5
+        })
+        .await,
+        "{:?}",
+        counters.snapshot()
+    );
+    stop.cancel();
+    task.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_outage_hands_batches_back_without_using_attempts_then_delivers() {
     let broker = Broker::start();
     broker.create_topic("events", 1).await;

@@ -146,28 +146,34 @@ impl KafkaSink {
 enum Failure {
     /// The broker or the network is away.
     Outage,
+    /// Something about the route, not the message: the topic is missing, not authorized, or (when
+    /// the route names its Kafka topic) invalid. Every message of the route would fail alike, so
+    /// the route is paused as in an outage (the operator fixes it; nothing is dead-lettered), as
+    /// Kafka Connect stops a task.
+    Route,
     /// This message can never be delivered as it is.
     Permanent,
     /// Worth another attempt.
     Transient,
 }
 
-fn classify(e: &KafkaError) -> Failure {
+/// `renamed`: the route sends every message to one Kafka topic of its configuration (otherwise the
+/// Kafka topic is the message's own, and an invalid name is the message's fault).
+fn classify(e: &KafkaError, renamed: bool) -> Failure {
     use RDKafkaErrorCode::*;
     let code = match e {
         KafkaError::MessageProduction(c) => *c,
         _ => return Failure::Transient,
     };
     match code {
-        MessageSizeTooLarge
-        | InvalidMessageSize
-        | InvalidTopic
-        | UnknownTopic
+        InvalidTopic if renamed => Failure::Route,
+        UnknownTopic
         | UnknownTopicOrPartition
         | TopicAuthorizationFailed
-        | InvalidRecord
-        | InvalidMessage
-        | BadMessage => Failure::Permanent,
+        | ClusterAuthorizationFailed
+        | TransactionalIdAuthorizationFailed => Failure::Route,
+        MessageSizeTooLarge | InvalidMessageSize | InvalidTopic | InvalidRecord
+        | InvalidMessage | BadMessage => Failure::Permanent,
         // The broker or the link is away, or the producer's idempotence state was lost with it.
         BrokerTransportFailure
         | AllBrokersDown
@@ -271,10 +277,21 @@ impl Sink for KafkaSink {
             {
                 self.producer.replace(&producer);
             }
+            let renamed = self.rename.is_some();
             let failures: Vec<Failure> = reports
                 .iter()
-                .filter_map(|r| r.as_ref().err().map(classify))
+                .filter_map(|r| r.as_ref().err().map(|e| classify(e, renamed)))
                 .collect();
+            if let Some(e) = reports
+                .iter()
+                .filter_map(|r| r.as_ref().err())
+                .find(|e| classify(e, renamed) == Failure::Route)
+            {
+                // The batch goes back whole (its delivered messages will be delivered again).
+                return Err(Unavailable::new(format!(
+                    "kafka: the route cannot deliver to its topic: {e}"
+                )));
+            }
             if !failures.is_empty()
                 && failures.len() == reports.len()
                 && failures.iter().all(|f| *f == Failure::Outage)
@@ -289,11 +306,11 @@ impl Sink for KafkaSink {
                 .into_iter()
                 .map(|r| match r {
                     Ok(()) => Outcome::Delivered,
-                    Err(e) => match classify(&e) {
+                    Err(e) => match classify(&e, renamed) {
                         Failure::Permanent => Outcome::Dead {
                             reason: format!("kafka: {e}"),
                         },
-                        Failure::Outage | Failure::Transient => Outcome::Retry {
+                        Failure::Route | Failure::Outage | Failure::Transient => Outcome::Retry {
                             reason: format!("kafka: {e}"),
                             delay: None,
                         },
@@ -302,5 +319,28 @@ impl Sink for KafkaSink {
                 .collect())
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_about_the_route_pause_it_and_errors_about_a_message_dead_letter_it() {
+        use RDKafkaErrorCode::*;
+        let c = |code, renamed| classify(&KafkaError::MessageProduction(code), renamed);
+        for code in [
+            UnknownTopic,
+            UnknownTopicOrPartition,
+            TopicAuthorizationFailed,
+            ClusterAuthorizationFailed,
+        ] {
+            assert_eq!(c(code, false), Failure::Route, "{code:?}");
+        }
+        assert_eq!(c(InvalidTopic, true), Failure::Route);
+        assert_eq!(c(InvalidTopic, false), Failure::Permanent);
+        assert_eq!(c(MessageSizeTooLarge, true), Failure::Permanent);
+        assert_eq!(c(AllBrokersDown, false), Failure::Outage);
     }
 }
