@@ -22,7 +22,11 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
+use super::kafka_context::QuietContext;
 use super::{Outcome, Sink, Unavailable};
+
+/// The producer type: librdkafka's reports go through [`QuietContext`].
+type QuietProducer = FutureProducer<QuietContext>;
 use crate::store::{ClaimedMessage, Topics};
 
 /// Properties the sink sets unless the configuration says otherwise.
@@ -37,11 +41,11 @@ pub const PRODUCER_DEFAULTS: [(&str, &str); 4] = [
 /// (an idempotent producer can be fenced after an outage; it never recovers by itself).
 pub struct SharedProducer {
     config: ClientConfig,
-    current: std::sync::Mutex<Arc<FutureProducer>>,
+    current: std::sync::Mutex<Arc<QuietProducer>>,
 }
 
 impl SharedProducer {
-    fn get(&self) -> Result<Arc<FutureProducer>, Unavailable> {
+    fn get(&self) -> Result<Arc<QuietProducer>, Unavailable> {
         let mut p = self.current.lock().expect("producer lock");
         if let Some((code, reason)) = p.client().fatal_error() {
             tracing::warn!(
@@ -54,15 +58,15 @@ impl SharedProducer {
         Ok(p.clone())
     }
 
-    fn create(&self) -> Result<Arc<FutureProducer>, Unavailable> {
+    fn create(&self) -> Result<Arc<QuietProducer>, Unavailable> {
         self.config
-            .create::<FutureProducer>()
+            .create_with_context::<_, QuietProducer>(QuietContext::default())
             .map(Arc::new)
             .map_err(|e| Unavailable::new(format!("kafka: cannot create the producer: {e}")))
     }
 
     /// Replaces `failed` (if it is still the current producer) by a new one with a new producer id.
-    fn replace(&self, failed: &Arc<FutureProducer>) {
+    fn replace(&self, failed: &Arc<QuietProducer>) {
         let mut p = self.current.lock().expect("producer lock");
         if Arc::ptr_eq(&p, failed) {
             match self.create() {
@@ -107,7 +111,7 @@ pub fn producer(
         config.set(k, v);
     }
     let first = config
-        .create::<FutureProducer>()
+        .create_with_context::<_, QuietProducer>(QuietContext::default())
         .map_err(|e| format!("sinks.kafka: cannot create the producer: {e}"))?;
     Ok(Arc::new(SharedProducer {
         config,

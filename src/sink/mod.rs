@@ -3,6 +3,8 @@
 pub mod handlers;
 #[cfg(feature = "kafka")]
 pub mod kafka;
+#[cfg(feature = "kafka")]
+mod kafka_context;
 pub mod log;
 
 use std::time::Duration;
