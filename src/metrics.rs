@@ -37,7 +37,9 @@ pub struct Metrics {
     database_up: Gauge,
     notifier_connected: Gauge,
     database_ok: AtomicBool,
-    sinks_down: Mutex<HashMap<String, bool>>,
+    /// When each engine (by sink) last made progress, and how long without it means stuck.
+    alive: Mutex<HashMap<String, std::time::Instant>>,
+    stall_after: Mutex<Option<Duration>>,
 }
 
 fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -194,7 +196,8 @@ impl Metrics {
                 "1 while the LISTEN connection is up.",
             ),
             database_ok: AtomicBool::new(false),
-            sinks_down: Mutex::new(HashMap::new()),
+            alive: Mutex::new(HashMap::new()),
+            stall_after: Mutex::new(None),
             registry: r,
         };
         let build = gauge_vec(
@@ -266,23 +269,40 @@ impl Metrics {
         self.database_ok.store(true, Ordering::Release);
     }
 
-    /// Ready: the database answers and every sink takes messages.
+    /// Ready: this pod can do its job — its database answers. A sink that is down is down for
+    /// every replica alike (it shows in `postbox_sink_up` and `status`): making every pod unready
+    /// for it would only block node drains and rollouts behind the disruption budget.
     pub fn ready(&self) -> Result<(), String> {
         if !self.database_ok.load(Ordering::Acquire) {
             return Err("database unreachable".into());
         }
-        let down: Vec<String> = self
-            .sinks_down
+        Ok(())
+    }
+
+    /// Engines that have made no progress for `after` make the process not alive (see
+    /// [`alive`](Self::alive)); `None` turns the check off.
+    pub fn stall_after(&self, after: Option<Duration>) {
+        *self.stall_after.lock().expect("stall lock") = after;
+    }
+
+    /// Alive: no engine is stuck — each has gone round its claim loop, or written (or tried to
+    /// write) outcomes, within the stall limit. A database outage is not being stuck.
+    pub fn alive_at(&self, now: std::time::Instant) -> Result<(), String> {
+        let Some(after) = *self.stall_after.lock().expect("stall lock") else {
+            return Ok(());
+        };
+        let stuck: Vec<String> = self
+            .alive
             .lock()
-            .expect("sinks lock")
+            .expect("alive lock")
             .iter()
-            .filter(|(_, d)| **d)
-            .map(|(s, _)| s.clone())
+            .filter(|(_, at)| now.saturating_duration_since(**at) > after)
+            .map(|(sink, at)| format!("{sink} (no progress for {:?})", now.duration_since(*at)))
             .collect();
-        if down.is_empty() {
+        if stuck.is_empty() {
             Ok(())
         } else {
-            Err(format!("sink unavailable: {}", down.join(", ")))
+            Err(format!("engine stuck: {}", stuck.join(", ")))
         }
     }
 }
@@ -317,13 +337,57 @@ impl Observer for Metrics {
         self.sink_up
             .with_label_values(&[sink])
             .set(if up { 1.0 } else { 0.0 });
-        self.sinks_down
-            .lock()
-            .expect("sinks lock")
-            .insert(sink.to_owned(), !up);
     }
 
     fn notifier_connected(&self, up: bool) {
         self.notifier_connected.set(if up { 1.0 } else { 0.0 });
+    }
+
+    fn alive(&self, sink: &str) {
+        let now = std::time::Instant::now();
+        let mut alive = self.alive.lock().expect("alive lock");
+        match alive.get_mut(sink) {
+            Some(at) => *at = now,
+            None => {
+                alive.insert(sink.to_owned(), now);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[test]
+    fn not_alive_once_an_engine_makes_no_progress_for_the_stall_limit() {
+        let m = Metrics::new(&["kafka", "log"]);
+        let t0 = Instant::now();
+        assert!(m.alive_at(t0).is_ok(), "no engine yet");
+        m.alive("kafka");
+        m.alive("log");
+        m.stall_after(Some(Duration::from_secs(60)));
+        assert!(m.alive_at(Instant::now() + Duration::from_secs(30)).is_ok());
+        m.alive("log");
+        let later = Instant::now() + Duration::from_secs(61);
+        let why = m.alive_at(later).unwrap_err();
+        assert!(why.contains("kafka") && why.contains("log"), "{why}");
+        m.alive("kafka");
+        m.alive("log");
+        assert!(m.alive_at(Instant::now() + Duration::from_secs(59)).is_ok());
+        m.stall_after(None);
+        assert!(m.alive_at(later + Duration::from_secs(3600)).is_ok());
+    }
+
+    #[test]
+    fn a_sink_that_is_down_does_not_make_the_pod_unready() {
+        let m = Metrics::new(&["kafka"]);
+        m.database_ok.store(true, Ordering::Release);
+        m.sink_up("kafka", false);
+        assert!(m.ready().is_ok());
+        m.database_ok.store(false, Ordering::Release);
+        assert!(m.ready().is_err());
     }
 }

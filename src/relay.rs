@@ -196,6 +196,7 @@ pub async fn run(
     names.sort_unstable();
     names.dedup();
     let metrics = Metrics::new(&names);
+    metrics.stall_after(Some(stall_limit(&settings.engine)));
     let server = serve_metrics(settings.metrics_listen, metrics.clone(), shutdown.clone()).await?;
     let store = match connect(&settings, &shutdown).await {
         Ok(s) => s,
@@ -274,6 +275,29 @@ async fn sample(store: Store, metrics: Arc<Metrics>, every: Duration, stop: Canc
     }
 }
 
+/// How long an engine may go without progress before `/healthz` calls it stuck: twice the longest
+/// a healthy claim loop can wait (for a notification, for a delivery to end, for a sink to come
+/// back, for a write to be retried), plus a margin.
+pub fn stall_limit(e: &crate::engine::EngineConfig) -> std::time::Duration {
+    let longest_delivery = e
+        .topic_timeouts
+        .iter()
+        .map(|(_, t)| *t)
+        .chain([e.delivery_timeout])
+        .max()
+        .unwrap_or(e.delivery_timeout);
+    let wait = [
+        e.poll_interval,
+        longest_delivery,
+        e.max_unavailable_backoff,
+        std::time::Duration::from_secs(5),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or_default();
+    wait * 2 + std::time::Duration::from_secs(30)
+}
+
 /// Serves `/metrics`, `/healthz`, `/readyz` until `stop`.
 pub async fn serve_metrics(
     addr: std::net::SocketAddr,
@@ -286,6 +310,7 @@ pub async fn serve_metrics(
         .await
         .map_err(|e| RelayError::Usage(format!("metrics.listen: cannot listen on {addr}: {e}")))?;
     let m1 = metrics.clone();
+    let m2 = metrics.clone();
     let app = axum::Router::new()
         .route(
             "/metrics",
@@ -299,7 +324,18 @@ pub async fn serve_metrics(
                 }
             }),
         )
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/healthz",
+            get(move || {
+                let m = m2.clone();
+                async move {
+                    match m.alive_at(std::time::Instant::now()) {
+                        Ok(()) => (StatusCode::OK, "ok\n".to_owned()),
+                        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+                    }
+                }
+            }),
+        )
         .route(
             "/readyz",
             get(move || {

@@ -126,6 +126,8 @@ impl Writer<'_> {
             if tries >= TRIES_BEFORE_SPLIT && store.ping().await.is_ok() {
                 return Tried::Refused(e);
             }
+            // Waiting for the database is not being stuck.
+            self.observer.alive(self.sink.name());
             tracing::warn!(error = %e, outcomes = buf.len(), retry_in = ?pause, "completer cannot write outcomes");
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_secs(5));
@@ -162,6 +164,7 @@ impl Writer<'_> {
             let age = (now - s.created_at).to_std().unwrap_or_default();
             self.observer.settled(&s.topic, self.sink.name(), what, age);
         }
+        self.observer.alive(self.sink.name());
         Tried::Written
     }
 }

@@ -184,6 +184,7 @@ impl Producer {
         let mut db_pause = Duration::from_millis(100);
         loop {
             while tasks.try_join_next().is_some() {}
+            self.observer.alive(self.sink.name());
             if self.shutdown.is_cancelled() {
                 return tasks;
             }
