@@ -1,0 +1,228 @@
+//! Chaos: the relay keeps its promises under infrastructure faults, checked with an exact ledger.
+//! The writer records each message it produced in its own table in the same transaction (a
+//! transaction that fails is not counted); the handler records each delivery. Afterwards:
+//! lost = produced − delivered − still queued − dead must be empty; duplicates are counted.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{TestDb, eventually};
+use diesel::{Connection, PgConnection, RunQueryDsl};
+use postbox::Message;
+use postbox::engine::{Engine, EngineConfig};
+use postbox::sink::handlers::{Handlers, Job};
+use tokio_util::sync::CancellationToken;
+
+/// Writes business row + message pairs until `stop`, reconnecting after failures.
+fn writer(url: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<usize> {
+    std::thread::spawn(move || {
+        let mut conn = PgConnection::establish(&url).unwrap();
+        let mut committed = 0;
+        while !stop.load(Ordering::Acquire) {
+            let r = conn.transaction::<_, postbox::Error, _>(|c| {
+                let e = postbox::enqueue(c, &Message::new("chaos"))?;
+                let id = e.id().expect("no dedup key: always a new message");
+                diesel::sql_query(format!("INSERT INTO public.produced (id) VALUES ({id})"))
+                    .execute(c)?;
+                Ok(())
+            });
+            match r {
+                Ok(()) => committed += 1,
+                Err(_) => {
+                    if let Ok(c) = PgConnection::establish(&url) {
+                        conn = c;
+                    }
+                }
+            }
+        }
+        committed
+    })
+}
+
+#[derive(diesel::QueryableByName)]
+struct Id {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    id: i64,
+}
+
+fn ids(conn: &mut PgConnection, sql: &str) -> HashSet<i64> {
+    diesel::sql_query(sql)
+        .load::<Id>(conn)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect()
+}
+
+/// What the ledger shows: (produced, lost, duplicates, dead).
+fn ledger(db: &TestDb, delivered: &HashMap<i64, u32>) -> (usize, Vec<i64>, u32, usize) {
+    let mut conn = db.conn();
+    let produced = ids(&mut conn, "SELECT id FROM public.produced");
+    let queued = ids(&mut conn, "SELECT id FROM postbox.messages");
+    let dead = ids(&mut conn, "SELECT id FROM postbox.dead_letters");
+    let lost: Vec<i64> = produced
+        .iter()
+        .filter(|id| !delivered.contains_key(id) && !queued.contains(id) && !dead.contains(id))
+        .copied()
+        .collect();
+    let duplicates = delivered.values().map(|n| n - 1).sum();
+    (produced.len(), lost, duplicates, dead.len())
+}
+
+type Delivered = Arc<Mutex<HashMap<i64, u32>>>;
+
+fn recording(delivered: &Delivered) -> Handlers {
+    let d = delivered.clone();
+    Handlers::new().on("chaos", move |job: Job<serde_json::Value>| {
+        let d = d.clone();
+        async move {
+            *d.lock().unwrap().entry(job.id).or_default() += 1;
+            Ok(())
+        }
+    })
+}
+
+fn chaos_config() -> EngineConfig {
+    EngineConfig {
+        lease: Duration::from_secs(2),
+        rescue_interval: Duration::from_millis(500),
+        poll_interval: Duration::from_millis(100),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_crashing_every_two_seconds_next_to_another_loses_nothing() {
+    let db = TestDb::migrated();
+    db.exec("CREATE TABLE public.produced (id bigint PRIMARY KEY)");
+    let delivered: Delivered = Arc::default();
+    let steady = Engine::builder(db.url.clone())
+        .handlers(recording(&delivered))
+        .config(chaos_config())
+        .build()
+        .await
+        .unwrap();
+    let stop_steady = CancellationToken::new();
+    let steady = tokio::spawn(steady.run(stop_steady.clone()));
+    let stop_writing = Arc::new(AtomicBool::new(false));
+    let w = writer(db.url.clone(), stop_writing.clone());
+    // The other relay runs on a runtime of its own, dropped every 2 s without any shutdown: its
+    // tasks stop where they are and its connections close, as when the process is killed.
+    let start = Instant::now();
+    let mut crashes = 0;
+    while start.elapsed() < Duration::from_secs(10) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (url, handlers) = (db.url.clone(), recording(&delivered));
+        rt.spawn(async move {
+            let engine = Engine::builder(url)
+                .handlers(handlers)
+                .config(chaos_config())
+                .build()
+                .await
+                .unwrap();
+            let _ = engine.run(CancellationToken::new()).await;
+        });
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        rt.shutdown_background();
+        crashes += 1;
+    }
+    stop_writing.store(true, Ordering::Release);
+    tokio::task::spawn_blocking(move || w.join().unwrap())
+        .await
+        .unwrap();
+    let faults_ended = Instant::now();
+    let recovered = eventually(Duration::from_secs(60), || async {
+        db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
+    })
+    .await;
+    let recovery = faults_ended.elapsed();
+    stop_steady.cancel();
+    steady.await.unwrap().unwrap();
+    let delivered = delivered.lock().unwrap().clone();
+    let (produced, lost, duplicates, dead) = ledger(&db, &delivered);
+    eprintln!(
+        "chaos (relay crashed {crashes} times): produced {produced}, delivered {}, duplicates \
+         {duplicates}, lost {}, dead {dead}, recovered in {recovery:?}",
+        delivered.len(),
+        lost.len()
+    );
+    assert!(recovered);
+    assert!(lost.is_empty(), "lost: {lost:?}");
+    assert_eq!(dead, 0);
+    assert!(produced > 100, "the writer barely wrote: {produced}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_relay_backend_terminated_twice_a_second_for_ten_seconds_loses_nothing() {
+    let db = TestDb::migrated();
+    db.exec("CREATE TABLE public.produced (id bigint PRIMARY KEY)");
+    let delivered: Delivered = Arc::default();
+    let engine = Engine::builder(db.url.clone())
+        .handlers(recording(&delivered))
+        .config(chaos_config())
+        .build()
+        .await
+        .unwrap();
+    let stop_engine = CancellationToken::new();
+    let task = tokio::spawn(engine.run(stop_engine.clone()));
+
+    let stop_writing = Arc::new(AtomicBool::new(false));
+    let w = writer(db.url.clone(), stop_writing.clone());
+    // The faults: every connection of the relay (application_name 'postbox') terminated, twice a
+    // second.
+    let mut killer = db.conn();
+    let mut terminated = 0;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        #[derive(diesel::QueryableByName)]
+        struct N {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        let n: N = diesel::sql_query(
+            "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity
+             WHERE datname = current_database() AND application_name = 'postbox'",
+        )
+        .get_result(&mut killer)
+        .unwrap();
+        terminated += n.n;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    stop_writing.store(true, Ordering::Release);
+    let produced_count = tokio::task::spawn_blocking(move || w.join().unwrap())
+        .await
+        .unwrap();
+    let faults_ended = Instant::now();
+
+    // Recovery: everything produced is delivered, without restarting the relay.
+    let recovered = eventually(Duration::from_secs(60), || async {
+        db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
+    })
+    .await;
+    let recovery = faults_ended.elapsed();
+    stop_engine.cancel();
+    task.await.unwrap().unwrap();
+
+    let delivered = delivered.lock().unwrap().clone();
+    let (produced, lost, duplicates, dead) = ledger(&db, &delivered);
+    eprintln!(
+        "chaos (backends terminated): produced {produced} ({produced_count} commits seen by the \
+         writer), {terminated} backends terminated, delivered {}, duplicates {duplicates}, lost {}, \
+         dead {dead}, recovered in {recovery:?}",
+        delivered.len(),
+        lost.len()
+    );
+    assert!(recovered);
+    assert!(lost.is_empty(), "lost: {lost:?}");
+    assert_eq!(dead, 0);
+    assert!(terminated > 0);
+    assert!(produced > 100, "the writer barely wrote: {produced}");
+}
