@@ -5,73 +5,16 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{TestDb, eventually};
-use diesel::{Connection, PgConnection, RunQueryDsl};
-use postbox::Message;
+use common::{TestDb, create_ledger, eventually, ledger, ledger_writer};
+use diesel::RunQueryDsl;
 use postbox::engine::{Engine, EngineConfig};
 use postbox::sink::handlers::{Handlers, Job};
 use tokio_util::sync::CancellationToken;
-
-/// Writes business row + message pairs until `stop`, reconnecting after failures.
-fn writer(url: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<usize> {
-    std::thread::spawn(move || {
-        let mut conn = PgConnection::establish(&url).unwrap();
-        let mut committed = 0;
-        while !stop.load(Ordering::Acquire) {
-            let r = conn.transaction::<_, postbox::Error, _>(|c| {
-                let e = postbox::enqueue(c, &Message::new("chaos"))?;
-                let id = e.id().expect("no dedup key: always a new message");
-                diesel::sql_query(format!("INSERT INTO public.produced (id) VALUES ({id})"))
-                    .execute(c)?;
-                Ok(())
-            });
-            match r {
-                Ok(()) => committed += 1,
-                Err(_) => {
-                    if let Ok(c) = PgConnection::establish(&url) {
-                        conn = c;
-                    }
-                }
-            }
-        }
-        committed
-    })
-}
-
-#[derive(diesel::QueryableByName)]
-struct Id {
-    #[diesel(sql_type = diesel::sql_types::BigInt)]
-    id: i64,
-}
-
-fn ids(conn: &mut PgConnection, sql: &str) -> HashSet<i64> {
-    diesel::sql_query(sql)
-        .load::<Id>(conn)
-        .unwrap()
-        .into_iter()
-        .map(|r| r.id)
-        .collect()
-}
-
-/// What the ledger shows: (produced, lost, duplicates, dead).
-fn ledger(db: &TestDb, delivered: &HashMap<i64, u32>) -> (usize, Vec<i64>, u32, usize) {
-    let mut conn = db.conn();
-    let produced = ids(&mut conn, "SELECT id FROM public.produced");
-    let queued = ids(&mut conn, "SELECT id FROM postbox.messages");
-    let dead = ids(&mut conn, "SELECT id FROM postbox.dead_letters");
-    let lost: Vec<i64> = produced
-        .iter()
-        .filter(|id| !delivered.contains_key(id) && !queued.contains(id) && !dead.contains(id))
-        .copied()
-        .collect();
-    let duplicates = delivered.values().map(|n| n - 1).sum();
-    (produced.len(), lost, duplicates, dead.len())
-}
 
 type Delivered = Arc<Mutex<HashMap<i64, u32>>>;
 
@@ -98,7 +41,7 @@ fn chaos_config() -> EngineConfig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_crashing_every_two_seconds_next_to_another_loses_nothing() {
     let db = TestDb::migrated();
-    db.exec("CREATE TABLE public.produced (id bigint PRIMARY KEY)");
+    create_ledger(&db);
     let delivered: Delivered = Arc::default();
     let steady = Engine::builder(db.url.clone())
         .handlers(recording(&delivered))
@@ -109,7 +52,7 @@ async fn a_relay_crashing_every_two_seconds_next_to_another_loses_nothing() {
     let stop_steady = CancellationToken::new();
     let steady = tokio::spawn(steady.run(stop_steady.clone()));
     let stop_writing = Arc::new(AtomicBool::new(false));
-    let w = writer(db.url.clone(), stop_writing.clone());
+    let w = ledger_writer(db.url.clone(), "chaos", stop_writing.clone());
     // The other relay runs on a runtime of its own, dropped every 2 s without any shutdown: its
     // tasks stop where they are and its connections close, as when the process is killed.
     let start = Instant::now();
@@ -163,7 +106,7 @@ async fn a_relay_crashing_every_two_seconds_next_to_another_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_relay_backend_terminated_twice_a_second_for_ten_seconds_loses_nothing() {
     let db = TestDb::migrated();
-    db.exec("CREATE TABLE public.produced (id bigint PRIMARY KEY)");
+    create_ledger(&db);
     let delivered: Delivered = Arc::default();
     let engine = Engine::builder(db.url.clone())
         .handlers(recording(&delivered))
@@ -175,7 +118,7 @@ async fn every_relay_backend_terminated_twice_a_second_for_ten_seconds_loses_not
     let task = tokio::spawn(engine.run(stop_engine.clone()));
 
     let stop_writing = Arc::new(AtomicBool::new(false));
-    let w = writer(db.url.clone(), stop_writing.clone());
+    let w = ledger_writer(db.url.clone(), "chaos", stop_writing.clone());
     // The faults: every connection of the relay (application_name 'postbox') terminated, twice a
     // second.
     let mut killer = db.conn();

@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{TestDb, eventually, http_get};
+use common::{TestDb, create_ledger, eventually, http_get, ledger, ledger_writer};
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use postbox::engine::{Engine, EngineConfig, RunReport};
@@ -117,6 +117,36 @@ impl Broker {
         for t in r {
             t.unwrap_or_else(|(t, e)| panic!("create topic {t}: {e}"));
         }
+    }
+
+    /// Reads `topic` until `n` distinct `postbox-id`s were seen and nothing more came for a second
+    /// (or the deadline passed): each id with how many times it was there.
+    fn consume_ids(&self, topic: &str, n: usize) -> HashMap<i64, u32> {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.brokers())
+            .set("group.id", format!("test-{}", fastrand::u64(..)))
+            .set("auto.offset.reset", "earliest")
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap();
+        consumer.subscribe(&[topic]).unwrap();
+        let mut seen: HashMap<i64, u32> = HashMap::new();
+        let end = Instant::now() + Duration::from_secs(60);
+        let mut quiet_since = Instant::now();
+        while Instant::now() < end
+            && (seen.len() < n || quiet_since.elapsed() < Duration::from_secs(1))
+        {
+            if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+                quiet_since = Instant::now();
+                let id = m
+                    .headers()
+                    .and_then(|h| h.iter().find(|h| h.key == "postbox-id"))
+                    .and_then(|h| std::str::from_utf8(h.value?).ok()?.parse().ok())
+                    .expect("a postbox-id header");
+                *seen.entry(id).or_default() += 1;
+            }
+        }
+        seen
     }
 
     /// Reads `n` messages of `topic` (or what arrived before the deadline).
@@ -531,6 +561,69 @@ async fn a_broker_outage_hands_batches_back_without_using_attempts_then_delivers
     let ns: std::collections::BTreeSet<i64> =
         got.iter().map(|m| m.payload.as_i64().unwrap()).collect();
     assert_eq!(ns, (0..=5).collect());
+}
+
+/// Chaos suite, Kafka row: the broker stops answering for 10 s while a writer keeps writing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_a_broker_outage_with_a_writer_running_loses_nothing() {
+    let broker = Broker::start();
+    broker.create_topic("chaos", 1).await;
+    let db = TestDb::migrated();
+    create_ledger(&db);
+    let p = producer(
+        &broker.brokers(),
+        &properties(&[
+            ("message.timeout.ms", "1500"),
+            ("reconnect.backoff.max.ms", "500"),
+        ]),
+    )
+    .unwrap();
+    let engine = Engine::builder(&db.url)
+        .sink(KafkaSink::new(p, Topics::all(), None))
+        .config(EngineConfig {
+            max_unavailable_backoff: Duration::from_millis(500),
+            ..config()
+        })
+        .build()
+        .await
+        .unwrap();
+    let (stop, task, counters) = start(engine);
+    let stop_writing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let w = ledger_writer(db.url.clone(), "chaos", stop_writing.clone());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    broker.signal("STOP");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    broker.signal("CONT");
+    let back = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop_writing.store(true, std::sync::atomic::Ordering::Release);
+    tokio::task::spawn_blocking(move || w.join().unwrap())
+        .await
+        .unwrap();
+    let drained = eventually(Duration::from_secs(60), || async {
+        db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
+    })
+    .await;
+    let recovery = back.elapsed();
+    stop.cancel();
+    let report = task.await.unwrap().unwrap();
+    let produced = db.scalar("SELECT count(*) AS v FROM public.produced") as usize;
+    let delivered = broker.consume_ids("chaos", produced);
+    let (produced, lost, duplicates, dead) = ledger(&db, &delivered);
+    eprintln!(
+        "chaos (broker stopped 10 s): produced {produced}, in Kafka {} ({duplicates} duplicates), \
+         lost {}, dead {dead}, attempts used by retries {}, released {}, drained {:?} after the \
+         broker came back",
+        delivered.len(),
+        lost.len(),
+        report.retried,
+        counters.snapshot().released,
+        recovery
+    );
+    assert!(drained);
+    assert!(lost.is_empty(), "lost: {lost:?}");
+    assert_eq!((dead, report.dead_lettered), (0, 0));
+    assert!(produced > 100, "the writer barely wrote: {produced}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -236,3 +236,75 @@ pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
             .unwrap_or_default(),
     ))
 }
+
+/// Chaos ledger: creates `public.produced`, where [`ledger_writer`] records each message id in the
+/// same transaction as the message.
+pub fn create_ledger(db: &TestDb) {
+    db.exec("CREATE TABLE public.produced (id bigint PRIMARY KEY)");
+}
+
+/// Writes messages of `topic` until `stop`, each with its id in `public.produced` in the same
+/// transaction (a transaction that fails is not counted), reconnecting after failures. Returns the
+/// commits it saw.
+pub fn ledger_writer(
+    url: String,
+    topic: &'static str,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<usize> {
+    std::thread::spawn(move || {
+        let mut conn = PgConnection::establish(&url).unwrap();
+        let mut committed = 0;
+        while !stop.load(Ordering::Acquire) {
+            let r = conn.transaction::<_, postbox::Error, _>(|c| {
+                let e = postbox::enqueue(c, &postbox::Message::new(topic))?;
+                let id = e.id().expect("no dedup key: always a new message");
+                diesel::sql_query(format!("INSERT INTO public.produced (id) VALUES ({id})"))
+                    .execute(c)?;
+                Ok(())
+            });
+            match r {
+                Ok(()) => committed += 1,
+                Err(_) => {
+                    if let Ok(c) = PgConnection::establish(&url) {
+                        conn = c;
+                    }
+                }
+            }
+        }
+        committed
+    })
+}
+
+#[derive(diesel::QueryableByName)]
+struct LedgerId {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    id: i64,
+}
+
+fn ledger_ids(conn: &mut PgConnection, sql: &str) -> std::collections::HashSet<i64> {
+    diesel::sql_query(sql)
+        .load::<LedgerId>(conn)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect()
+}
+
+/// What the ledger shows, given each delivered id with its delivery count: (produced, lost,
+/// duplicates, dead). lost = produced − delivered − still queued − dead.
+pub fn ledger(
+    db: &TestDb,
+    delivered: &std::collections::HashMap<i64, u32>,
+) -> (usize, Vec<i64>, u32, usize) {
+    let mut conn = db.conn();
+    let produced = ledger_ids(&mut conn, "SELECT id FROM public.produced");
+    let queued = ledger_ids(&mut conn, "SELECT id FROM postbox.messages");
+    let dead = ledger_ids(&mut conn, "SELECT id FROM postbox.dead_letters");
+    let lost: Vec<i64> = produced
+        .iter()
+        .filter(|id| !delivered.contains_key(id) && !queued.contains(id) && !dead.contains(id))
+        .copied()
+        .collect();
+    let duplicates = delivered.values().map(|n| n - 1).sum();
+    (produced.len(), lost, duplicates, dead.len())
+}
