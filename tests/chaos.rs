@@ -169,3 +169,68 @@ async fn every_relay_backend_terminated_twice_a_second_for_ten_seconds_loses_not
     assert!(terminated > 0);
     assert!(produced > 100, "the writer barely wrote: {produced}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_held_open_shows_in_the_metrics_and_holds_up_no_delivery() {
+    use diesel::connection::SimpleConnection;
+    let db = TestDb::migrated();
+    create_ledger(&db);
+    let delivered: Delivered = Arc::default();
+    let engine = Engine::builder(db.url.clone())
+        .handlers(recording(&delivered))
+        .config(chaos_config())
+        .build()
+        .await
+        .unwrap();
+    let stop_engine = CancellationToken::new();
+    let task = tokio::spawn(engine.run(stop_engine.clone()));
+    // Another session holds a transaction (and its snapshot) open: vacuum cannot clean behind it.
+    let mut holder = db.conn();
+    holder
+        .batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT txid_current()")
+        .unwrap();
+    let stop_writing = Arc::new(AtomicBool::new(false));
+    let w = ledger_writer(db.url.clone(), "chaos", stop_writing.clone());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let store = db.store().await;
+    let oldest = store
+        .sample(Duration::ZERO)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|r| r.metric == "oldest_transaction")
+        .map(|r| r.value)
+        .unwrap();
+    let during = delivered.lock().unwrap().len();
+    holder.batch_execute("COMMIT").unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop_writing.store(true, Ordering::Release);
+    tokio::task::spawn_blocking(move || w.join().unwrap())
+        .await
+        .unwrap();
+    let drained = eventually(Duration::from_secs(30), || async {
+        db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
+    })
+    .await;
+    stop_engine.cancel();
+    task.await.unwrap().unwrap();
+    let delivered = delivered.lock().unwrap().clone();
+    let (produced, lost, duplicates, dead) = ledger(&db, &delivered);
+    eprintln!(
+        "chaos (transaction held open 3 s): oldest transaction {oldest:.1} s in the sample, \
+         {during} delivered while it was open; produced {produced}, lost {}, duplicates \
+         {duplicates}, dead {dead}",
+        lost.len()
+    );
+    assert!(
+        oldest >= 2.5,
+        "the sample shows the oldest transaction at {oldest} s"
+    );
+    assert!(
+        during > 100,
+        "deliveries stalled behind the open transaction: {during}"
+    );
+    assert!(drained);
+    assert!(lost.is_empty(), "lost: {lost:?}");
+    assert_eq!(dead, 0);
+}
