@@ -120,7 +120,11 @@ pub const SINK_NAMES: [&str; 2] = ["kafka", "log"];
 /// Settings from the environment (`POSTBOX_*`), applied over the file.
 #[derive(Debug, Clone, Default)]
 pub struct Overrides {
+    /// `--database-url`, else `POSTBOX_DATABASE_URL`: over the file.
     pub database_url: Option<String>,
+    /// `DATABASE_URL`: the generic variable every diesel user has exported (diesel CLI, `.env`), so
+    /// only a fallback, under the file's `database_url`.
+    pub database_url_fallback: Option<String>,
     pub metrics_listen: Option<String>,
     pub batch_size: Option<String>,
     pub concurrency: Option<String>,
@@ -134,13 +138,15 @@ pub struct Overrides {
 }
 
 impl Overrides {
-    /// Reads `POSTBOX_DATABASE_URL` (falling back to `DATABASE_URL`), `POSTBOX_METRICS_LISTEN`,
+    /// Reads `POSTBOX_DATABASE_URL` (and `DATABASE_URL`, which only applies when the file has no
+    /// `database_url`), `POSTBOX_METRICS_LISTEN`,
     /// `POSTBOX_BATCH_SIZE`, `POSTBOX_CONCURRENCY`, `POSTBOX_LEASE`, `POSTBOX_POLL_INTERVAL`,
     /// `POSTBOX_SHUTDOWN_DEADLINE`, `POSTBOX_KAFKA_BROKERS`.
     pub fn from_env() -> Self {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         Overrides {
-            database_url: var("POSTBOX_DATABASE_URL").or_else(|| var("DATABASE_URL")),
+            database_url: var("POSTBOX_DATABASE_URL"),
+            database_url_fallback: var("DATABASE_URL"),
             metrics_listen: var("POSTBOX_METRICS_LISTEN"),
             batch_size: var("POSTBOX_BATCH_SIZE"),
             concurrency: var("POSTBOX_CONCURRENCY"),
@@ -276,6 +282,8 @@ impl Config {
         let dur = |field: &str, v: &str| parse_duration(v).map_err(|p| err(field, p));
         if let Some(v) = env.database_url {
             self.database_url = Some(v);
+        } else if self.database_url.is_none() {
+            self.database_url = env.database_url_fallback;
         }
         if let Some(v) = env.metrics_listen {
             self.metrics.listen = Some(v);
@@ -675,6 +683,28 @@ sink = "log"
             (s.database_url.as_str(), s.engine.batch_size),
             ("postgres://env/db", 9)
         );
+        // DATABASE_URL, which every diesel user has exported, does not beat the file...
+        let generic = Overrides {
+            database_url_fallback: Some("postgres://other/app".into()),
+            ..Default::default()
+        };
+        let s = Config::from_toml("database_url = \"postgres://file/db\"\n")
+            .unwrap()
+            .resolve(generic.clone())
+            .unwrap();
+        assert_eq!(s.database_url, "postgres://file/db");
+        // ...it is the fallback when the file has none (the chart passes it so)...
+        let s = Config::default().resolve(generic.clone()).unwrap();
+        assert_eq!(s.database_url, "postgres://other/app");
+        // ...and POSTBOX_DATABASE_URL (or --database-url) beats both.
+        let s = Config::from_toml("database_url = \"postgres://file/db\"\n")
+            .unwrap()
+            .resolve(Overrides {
+                database_url: Some("postgres://postbox/db".into()),
+                ..generic
+            })
+            .unwrap();
+        assert_eq!(s.database_url, "postgres://postbox/db");
         let e = Config::default()
             .resolve(Overrides {
                 lease: Some("soon".into()),

@@ -196,6 +196,35 @@ fn an_environment_variable_that_is_not_utf8_does_not_crash_the_relay() {
 }
 
 #[test]
+fn a_foreign_database_url_in_the_environment_does_not_beat_the_config_file() {
+    let f = file("database_url = \"postgres://postgres@from-the-file/postbox\"\n");
+    let out = Command::new(BIN)
+        .args(["--config", f.as_str(), "config", "check"])
+        .env("DATABASE_URL", "postgres://someone@another-app/db")
+        .env_remove("POSTBOX_DATABASE_URL")
+        .output()
+        .expect("run postbox");
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let shown = text(&out.stdout);
+    assert!(shown.contains("from-the-file"), "{shown}");
+    assert!(!shown.contains("another-app"), "{shown}");
+    // POSTBOX_DATABASE_URL is meant for postbox: it wins.
+    let out = Command::new(BIN)
+        .args(["--config", f.as_str(), "config", "check"])
+        .env(
+            "POSTBOX_DATABASE_URL",
+            "postgres://postgres@from-postbox-env/postbox",
+        )
+        .output()
+        .expect("run postbox");
+    assert!(
+        text(&out.stdout).contains("from-postbox-env"),
+        "{}",
+        text(&out.stdout)
+    );
+}
+
+#[test]
 fn migrate_creates_the_database_then_the_commands_work_on_it() {
     let db = TestDb::empty();
     // A database that does not exist yet: migrate creates it.
