@@ -4,8 +4,10 @@
 //! cargo run --release --example bench -- --messages N [--database-url URL]
 //!
 //! 1. enqueue N no-op messages with `enqueue_many` (1,000 a call);
-//! 2. drain them with the embedded engine; then the same N with a raw-SQL loop doing the same
-//!    claim (UPDATE ... SKIP LOCKED, batch 100) and delete — the baseline;
+//! 2. drain them with the embedded engine; then the same N with two raw-SQL cycles, batch 100 on
+//!    2 connections — the lease cycle (claim `UPDATE … SKIP LOCKED`, then `DELETE`) and the
+//!    held-lock cycle (`SELECT … FOR UPDATE SKIP LOCKED` and `DELETE` in one transaction) — the
+//!    baselines (three rounds, medians);
 //! 3. wake-up latency, commit → handler start, at 500 messages/s for 5 s (and at 20/s, where the
 //!    engine is idle between messages and is woken by NOTIFY);
 //! 4. 8 writers for 10 s, each transaction one business row plus one message (with an engine
@@ -160,39 +162,81 @@ pub(crate) async fn drain_engine(url: &str, n: usize, claimers: Option<usize>) -
     n as f64 / secs
 }
 
-/// The baseline: the same claim and delete as plain SQL in a loop, batch 100, one connection.
-fn drain_raw_sql(url: &str, n: usize) -> f64 {
+/// The raw-SQL baselines: what PostgreSQL allows for a claim-and-delete cycle, without postbox.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum RawCycle {
+    /// Claim with a lease (`UPDATE … FOR UPDATE SKIP LOCKED`), then delete: postbox's lease mode.
+    Lease,
+    /// `BEGIN; SELECT … FOR UPDATE SKIP LOCKED; DELETE; COMMIT`: the rows are locked, not written,
+    /// until they are deleted.
+    HeldLock,
+}
+
+/// A raw cycle as plain SQL, batch 100, on 2 connections with `synchronous_commit = off` (as the
+/// relay's own sessions).
+fn drain_raw_sql(url: &str, n: usize, cycle: RawCycle) -> f64 {
     use diesel::RunQueryDsl;
     #[derive(diesel::QueryableByName)]
     struct Id {
         #[diesel(sql_type = diesel::sql_types::BigInt)]
         id: i64,
     }
-    let mut c = PgConnection::establish(url).unwrap();
+    const CLIENTS: usize = 2;
+    let done = Arc::new(AtomicU64::new(0));
     let t = Instant::now();
-    let mut done = 0;
-    loop {
-        let ids: Vec<Id> = diesel::sql_query(
-            "UPDATE postbox.messages m SET state = 'running', attempts = attempts + 1,
-                    locked_until = now() + interval '30 seconds', lease_token = 1
-             FROM (SELECT id FROM postbox.messages WHERE state = 'available' AND topic = 'bench.noop'
-                   ORDER BY priority, id LIMIT 100 FOR UPDATE SKIP LOCKED) p
-             WHERE m.id = p.id RETURNING m.id",
-        )
-        .load(&mut c)
-        .unwrap();
-        if ids.is_empty() {
-            break;
+    std::thread::scope(|s| {
+        for _ in 0..CLIENTS {
+            let done = done.clone();
+            s.spawn(move || {
+                let mut c = PgConnection::establish(url).unwrap();
+                c.batch_execute("SET synchronous_commit = off").unwrap();
+                loop {
+                    let claim = match cycle {
+                        RawCycle::Lease => {
+                            "UPDATE postbox.messages m SET state = 'running', attempts = attempts + 1,
+                                    locked_until = now() + interval '30 seconds', lease_token = 1
+                             FROM (SELECT id FROM postbox.messages WHERE state = 'available' AND topic = 'bench.noop'
+                                   ORDER BY priority, id LIMIT 100 FOR UPDATE SKIP LOCKED) p
+                             WHERE m.id = p.id RETURNING m.id"
+                        }
+                        RawCycle::HeldLock => {
+                            c.batch_execute("BEGIN").unwrap();
+                            "SELECT id FROM postbox.messages WHERE state = 'available' AND topic = 'bench.noop'
+                             ORDER BY priority, id LIMIT 100 FOR UPDATE SKIP LOCKED"
+                        }
+                    };
+                    let ids: Vec<Id> = diesel::sql_query(claim).load(&mut c).unwrap();
+                    let ids: Vec<i64> = ids.into_iter().map(|i| i.id).collect();
+                    if !ids.is_empty() {
+                        diesel::sql_query("DELETE FROM postbox.messages WHERE id = ANY($1)")
+                            .bind::<diesel::sql_types::Array<diesel::sql_types::BigInt>, _>(&ids)
+                            .execute(&mut c)
+                            .unwrap();
+                    }
+                    if cycle == RawCycle::HeldLock {
+                        c.batch_execute("COMMIT").unwrap();
+                    }
+                    if ids.is_empty() {
+                        break;
+                    }
+                    done.fetch_add(ids.len() as u64, Ordering::Relaxed);
+                }
+            });
         }
-        let ids: Vec<i64> = ids.into_iter().map(|i| i.id).collect();
-        diesel::sql_query("DELETE FROM postbox.messages WHERE id = ANY($1)")
-            .bind::<diesel::sql_types::Array<diesel::sql_types::BigInt>, _>(&ids)
-            .execute(&mut c)
-            .unwrap();
-        done += ids.len();
-    }
-    assert_eq!(done, n);
+    });
+    assert_eq!(done.load(Ordering::Relaxed) as usize, n);
     n as f64 / t.elapsed().as_secs_f64()
+}
+
+/// The median of a few figures.
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() {
+        f64::NAN
+    } else {
+        s[s.len() / 2]
+    }
 }
 
 /// Commit → handler start, in ms, for `rate` messages a second over `secs` seconds.
@@ -427,41 +471,52 @@ async fn main() {
         (f64::NAN, f64::NAN, f64::NAN, f64::NAN, f64::NAN, f64::NAN);
 
     if run("drain") {
-        // Side by side, twice, alternating which goes first.
+        // Side by side, three rounds, the order rotating: the engine, then the raw cycles.
         let mut engine_rates = Vec::new();
-        let mut raw_rates = Vec::new();
+        let mut lease_rates = Vec::new();
+        let mut held_rates = Vec::new();
         let mut enqueue_rates = Vec::new();
-        for round in 0..2 {
-            for which in if round == 0 {
-                ["engine", "raw"]
-            } else {
-                ["raw", "engine"]
-            } {
+        let order = ["engine", "lease", "held"];
+        for round in 0..3 {
+            for k in 0..3 {
+                let which = order[(round + k) % 3];
                 reset(&a.url);
                 enqueue_rates.push(enqueue_noop(&a.url, n).await);
                 if which == "engine" {
                     engine_rates.push(drain_engine(&a.url, n, a.claimers).await);
+                    continue;
+                }
+                let url = a.url.clone();
+                let cycle = if which == "lease" {
+                    RawCycle::Lease
                 } else {
-                    let url = a.url.clone();
-                    raw_rates.push(
-                        tokio::task::spawn_blocking(move || drain_raw_sql(&url, n))
-                            .await
-                            .unwrap(),
-                    );
+                    RawCycle::HeldLock
+                };
+                let rate = tokio::task::spawn_blocking(move || drain_raw_sql(&url, n, cycle))
+                    .await
+                    .unwrap();
+                if cycle == RawCycle::Lease {
+                    lease_rates.push(rate);
+                } else {
+                    held_rates.push(rate);
                 }
             }
         }
-        enqueue = enqueue_rates.iter().sum::<f64>() / enqueue_rates.len() as f64;
-        drain = engine_rates.iter().sum::<f64>() / engine_rates.len() as f64;
-        let raw = raw_rates.iter().sum::<f64>() / raw_rates.len() as f64;
+        enqueue = median(&enqueue_rates);
+        drain = median(&engine_rates);
+        let (lease, held) = (median(&lease_rates), median(&held_rates));
         println!(
-            "enqueue: {n} messages with enqueue_many, 1000 a call: {enqueue:.0} msg/s (mean of 4)"
+            "enqueue: {n} messages with enqueue_many, 1000 a call: {enqueue:.0} msg/s (median of 9)"
         );
         println!("drain: engine (batch 1000, handlers no-op): {engine_rates:.0?} msg/s");
         println!(
-            "drain: raw SQL loop (claim batch 100 + delete, one connection): {raw_rates:.0?} msg/s"
+            "drain: raw lease cycle (UPDATE … SKIP LOCKED + DELETE, batch 100, 2 connections): {lease_rates:.0?} msg/s"
         );
-        println!("drain ratio engine/raw = {:.2}", drain / raw);
+        println!(
+            "drain: raw held-lock cycle (BEGIN; SELECT … FOR UPDATE SKIP LOCKED; DELETE; COMMIT, batch 100, 2 connections): {held_rates:.0?} msg/s"
+        );
+        println!("drain_vs_lease={:.2}", drain / lease);
+        println!("drain_vs_heldlock={:.2}", drain / held);
     }
 
     if a.only.as_deref() == Some("ordered-drain") {

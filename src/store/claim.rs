@@ -18,12 +18,12 @@ use crate::message::MessageId;
 /// topics; a message whose topic no engine serves stays pending.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Topics {
-    all: bool,
-    exact: Vec<String>,
-    like: Vec<String>,
+    pub(super) all: bool,
+    pub(super) exact: Vec<String>,
+    pub(super) like: Vec<String>,
     /// Never these, even if they match (a relay's earlier routes took them).
-    not_exact: Vec<String>,
-    not_like: Vec<String>,
+    pub(super) not_exact: Vec<String>,
+    pub(super) not_like: Vec<String>,
 }
 
 impl Topics {
@@ -138,7 +138,7 @@ impl Topics {
     }
 
     /// The one topic this filter lets through, when it names exactly one (and does not exclude it).
-    fn single(&self) -> Option<&str> {
+    pub(super) fn single(&self) -> Option<&str> {
         match (self.all, self.exact.as_slice(), self.like.is_empty()) {
             (false, [one], true) if self.matches(one) => Some(one),
             _ => None,

@@ -25,6 +25,10 @@ pub(crate) const SQL_MIGRATIONS: &[(&str, &str)] = &[
         "20261201000002",
         include_str!("../../migrations/2026-12-01-000002_hand_over/up.sql"),
     ),
+    (
+        "20261201000003",
+        include_str!("../../migrations/2026-12-01-000003_held_batches/up.sql"),
+    ),
 ];
 
 /// One migration at a time across every process: the key of the advisory lock they share.

@@ -13,6 +13,8 @@ pub mod connect;
 #[cfg(feature = "async")]
 mod dead;
 #[cfg(feature = "async")]
+mod hold;
+#[cfg(feature = "async")]
 mod listen;
 #[cfg(feature = "async")]
 mod schedule;
@@ -25,6 +27,7 @@ mod stats;
 pub use self::{
     claim::{ClaimedMessage, Topics},
     dead::{DeadLetter, DeadSelector, ReplayReport},
+    hold::{Hold, HoldEnded},
     listen::{listen, register_listener, still_running, unregister_listener},
     schedule::{PROMOTE_BATCH, Promoted},
     settle::{Dead, RESCUE_BATCH, Retry, RetryReport, Settled},

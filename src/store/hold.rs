@@ -1,0 +1,238 @@
+//! Held batches, the fast path of the claim (see the migration `held_batches`): a batch is taken
+//! by locking its rows in a transaction that stays open while it is delivered; the delivered
+//! messages are deleted in that transaction and it commits. No lease is written for them. Whatever
+//! is not delivered when the hold ends is leased in the same transaction and settled as a claimed
+//! message is.
+
+use std::time::Duration;
+
+use diesel::QueryableByName;
+use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Text};
+use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
+
+use super::{ClaimedMessage, Store, Topics};
+use crate::error::{Error, Result};
+use crate::message::MessageId;
+
+/// The columns of a held message, as a claim returns them: the attempt it would be, the token its
+/// lease will carry if it is leased when the hold ends, and the holding transaction.
+macro_rules! take_columns {
+    () => {
+        "SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts + 1 AS attempts,
+       max_attempts, created_at, now() + make_interval(secs => $1) AS locked_until,
+       $2::bigint AS lease_token, last_error, dedup_key, pg_current_xact_id()::text AS xid
+FROM "
+    };
+}
+
+const TAKE_ONE: &str = concat!(take_columns!(), "postbox.take_topic($3, $4)");
+
+const TAKE: &str = concat!(take_columns!(), "postbox.take($3, $4, $5, $6, $7, $8)");
+
+const REGISTER: &str = "INSERT INTO postbox.holds (xid, ids, held_by) VALUES ($1::xid8, $2, $3)";
+
+/// Ends a hold: deletes the delivered messages ($1; their ordered heads promote the next of their
+/// keys), leases the others ($2; $3 seconds, token $4, owner $5) and deletes the registration.
+const SETTLE: &str = r#"
+WITH gone AS (
+    DELETE FROM postbox.messages m WHERE m.id = ANY($1::bigint[])
+    RETURNING m.id, m.topic, m.key, m.ordered, m.state
+),
+heads AS (
+    SELECT CASE WHEN count(*) > 0 THEN postbox.promote_after(array_agg(topic), array_agg(key), array_agg(id)) END AS promoted
+    FROM gone WHERE ordered AND state <> 'waiting'
+),
+leased AS (
+    UPDATE postbox.messages m
+    SET state = 'running', attempts = m.attempts + 1,
+        locked_until = now() + make_interval(secs => $3), lease_token = $4, locked_by = $5
+    WHERE m.id = ANY($2::bigint[])
+    RETURNING m.id
+),
+unregistered AS (
+    DELETE FROM postbox.holds WHERE xid = pg_current_xact_id() RETURNING xid
+)
+SELECT (SELECT count(*) FROM gone) AS deleted,
+       (SELECT count(*) FROM leased) AS leased,
+       (SELECT count(*) FROM unregistered) = 1 AS unregistered,
+       (SELECT promoted FROM heads) IS NOT NULL AS promoted
+"#;
+
+#[derive(QueryableByName)]
+struct HeldRow {
+    #[diesel(embed)]
+    message: ClaimedMessage,
+    #[diesel(sql_type = Text)]
+    xid: String,
+}
+
+/// A batch held by a transaction that is open on `conn`. Dropping it without [`Store::end_hold`]
+/// drops the connection (the pool discards a connection left in a transaction): the transaction
+/// rolls back and the lost hold is counted by [`Store::lost_holds`].
+pub struct Hold {
+    conn: bb8::PooledConnection<'static, AsyncDieselConnectionManager<AsyncPgConnection>>,
+    xid: String,
+    token: i64,
+    /// The messages, in (priority, id) order. `attempts` is the attempt this delivery is;
+    /// `lease_token` the token of the lease they get if they are still unsettled when the hold ends.
+    pub messages: Vec<ClaimedMessage>,
+}
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hold")
+            .field("xid", &self.xid)
+            .field("messages", &self.messages.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Hold {
+    /// The holding transaction's id.
+    pub fn xid(&self) -> &str {
+        &self.xid
+    }
+}
+
+/// What ending a hold did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HoldEnded {
+    /// Delivered messages deleted.
+    pub deleted: usize,
+    /// Messages leased to the caller (token of the hold), to settle as claimed ones.
+    pub leased: usize,
+}
+
+#[derive(QueryableByName)]
+struct SettleRow {
+    #[diesel(sql_type = BigInt)]
+    deleted: i64,
+    #[diesel(sql_type = BigInt)]
+    leased: i64,
+    #[diesel(sql_type = Bool)]
+    unregistered: bool,
+    #[diesel(sql_type = Bool)]
+    #[allow(dead_code)]
+    promoted: bool,
+}
+
+impl Store {
+    /// Takes up to `batch` claimable messages of `topics` into a hold (see the module): their rows
+    /// are locked by a transaction left open on a connection of the pool, and the hold is
+    /// registered (committed, on another connection) before this returns, so that its attempt is
+    /// counted if the transaction never commits. `None` when nothing is claimable. `limit` is
+    /// only what `locked_until` of the returned messages says: ending the hold in time is the
+    /// caller's duty.
+    pub async fn take(
+        &self,
+        batch: usize,
+        limit: Duration,
+        topics: &Topics,
+    ) -> Result<Option<Hold>> {
+        if batch == 0 || topics.is_empty() {
+            return Ok(None);
+        }
+        let mut conn = self
+            .pool
+            .get_owned()
+            .await
+            .map_err(|e| Error::Pool(e.to_string()))?;
+        let batch = i32::try_from(batch).unwrap_or(i32::MAX);
+        let token = fastrand::i64(..);
+        AnsiTransactionManager::begin_transaction(&mut *conn).await?;
+        let rows: Vec<HeldRow> = if let Some(topic) = topics.single() {
+            diesel::sql_query(TAKE_ONE)
+                .bind::<Double, _>(limit.as_secs_f64())
+                .bind::<BigInt, _>(token)
+                .bind::<Text, _>(topic)
+                .bind::<Integer, _>(batch)
+                .load(&mut *conn)
+                .await?
+        } else {
+            diesel::sql_query(TAKE)
+                .bind::<Double, _>(limit.as_secs_f64())
+                .bind::<BigInt, _>(token)
+                .bind::<Integer, _>(batch)
+                .bind::<Bool, _>(topics.all)
+                .bind::<Array<Text>, _>(&topics.exact)
+                .bind::<Array<Text>, _>(&topics.like)
+                .bind::<Array<Text>, _>(&topics.not_exact)
+                .bind::<Array<Text>, _>(&topics.not_like)
+                .load(&mut *conn)
+                .await?
+        };
+        let Some(xid) = rows.as_slice().first().map(|r| r.xid.clone()) else {
+            AnsiTransactionManager::commit_transaction(&mut *conn).await?;
+            return Ok(None);
+        };
+        let mut messages: Vec<ClaimedMessage> = rows.into_iter().map(|r| r.message).collect();
+        messages.sort_unstable_by_key(|m| (m.priority, m.id));
+        let ids: Vec<MessageId> = messages.iter().map(|m| m.id).collect();
+        // If this fails, the hold is dropped unregistered: nothing was delivered, nothing to count.
+        diesel::sql_query(REGISTER)
+            .bind::<Text, _>(&xid)
+            .bind::<Array<BigInt>, _>(&ids)
+            .bind::<Text, _>(&*self.owner)
+            .execute(&mut *self.conn().await?)
+            .await?;
+        Ok(Some(Hold {
+            conn,
+            xid,
+            token,
+            messages,
+        }))
+    }
+
+    /// Ends `hold` and commits: `delivered` are deleted, `rest` are leased to the caller for
+    /// `lease` (token: the hold's, as its messages carry it), the registration goes. If this
+    /// fails, the transaction is rolled back: every message of the hold is claimable again, and
+    /// [`Store::lost_holds`] counts the attempt.
+    pub async fn end_hold(
+        &self,
+        mut hold: Hold,
+        delivered: &[MessageId],
+        rest: &[MessageId],
+        lease: Duration,
+    ) -> Result<HoldEnded> {
+        let conn = &mut *hold.conn;
+        let row: SettleRow = diesel::sql_query(SETTLE)
+            .bind::<Array<BigInt>, _>(delivered)
+            .bind::<Array<BigInt>, _>(rest)
+            .bind::<Double, _>(lease.as_secs_f64())
+            .bind::<BigInt, _>(hold.token)
+            .bind::<Text, _>(&*self.owner)
+            .get_result(conn)
+            .await?;
+        if !row.unregistered {
+            // Not registered (or registered twice): roll back rather than commit a hold whose
+            // loss could not have been counted. Dropping the connection does it.
+            return Err(Error::InvalidArgument {
+                field: "hold",
+                problem: format!("hold {} was not registered; rolled back", hold.xid),
+            });
+        }
+        AnsiTransactionManager::commit_transaction(conn).await?;
+        Ok(HoldEnded {
+            deleted: row.deleted as usize,
+            leased: row.leased as usize,
+        })
+    }
+
+    /// Holds whose transaction ended without a commit (see the module): their messages that are
+    /// still claimable get an expired lease with the attempt counted, for
+    /// [`Store::rescue_expired`] to retry or dead-letter. Returns how many. Safe on every replica
+    /// at once.
+    pub async fn lost_holds(&self) -> Result<usize> {
+        #[derive(QueryableByName)]
+        struct N {
+            #[diesel(sql_type = Integer)]
+            n: i32,
+        }
+        let mut conn = self.conn().await?;
+        let r: N = diesel::sql_query("SELECT postbox.lost_holds() AS n")
+            .get_result(&mut conn)
+            .await?;
+        Ok(r.n as usize)
+    }
+}

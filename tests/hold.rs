@@ -1,0 +1,117 @@
+//! Held batches, the claim's fast path, against a real PostgreSQL: a hold locks its batch without
+//! writing a lease, deletes what was delivered and leases the rest when it ends, and a hold that
+//! never commits still uses its attempt, so a message that crashes its relay every time ends in
+//! the dead letters.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{TestDb, enqueue, eventually};
+use postbox::{Message, Topics};
+
+const LEASE: Duration = Duration::from_secs(30);
+const HOLD: Duration = Duration::from_secs(1);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_locks_its_batch_deletes_the_delivered_and_leases_the_rest() {
+    let db = TestDb::migrated();
+    let ids = enqueue(
+        &db,
+        (0..10).map(|i| Message::new("t").payload(&i)).collect(),
+    );
+    let store = db.store().await;
+    let topics = Topics::exact(["t"]);
+
+    let hold = store.take(6, HOLD, &topics).await.unwrap().unwrap();
+    let held: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
+    assert_eq!(held, ids[..6]);
+    assert!(hold.messages.iter().all(|m| m.attempts == 1));
+    // Nothing is written for the held rows: they stay available, locked; claims skip them.
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE state = 'available'"),
+        10
+    );
+    let other = store.claim(100, LEASE, &topics).await.unwrap();
+    let other_ids: Vec<i64> = other.iter().map(|m| m.id).collect();
+    assert_eq!(other_ids, ids[6..]);
+    assert!(store.take(100, HOLD, &topics).await.unwrap().is_none());
+    // A hold in progress is not lost.
+    assert_eq!(store.lost_holds().await.unwrap(), 0);
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.holds"), 1);
+
+    let rest: Vec<_> = hold.messages[4..].iter().map(|m| m.lease()).collect();
+    let ended = store
+        .end_hold(hold, &held[..4], &held[4..], LEASE)
+        .await
+        .unwrap();
+    assert_eq!((ended.deleted, ended.leased), (4, 2));
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.holds"), 0);
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.messages WHERE state = 'running' AND attempts = 1"
+        ),
+        2 + 4
+    );
+    // The rest carry the lease the hold's messages named: they settle as claimed messages do.
+    let done = store.complete(&rest).await.unwrap();
+    assert!(done.fenced.is_empty(), "{done:?}");
+    let leases: Vec<_> = other.iter().map(|m| m.lease()).collect();
+    store.complete(&leases).await.unwrap();
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_that_never_commits_uses_its_attempt_until_the_message_is_dead_lettered() {
+    let db = TestDb::migrated();
+    enqueue(&db, vec![Message::new("t").max_attempts(2)]);
+    let store = db.store().await;
+    let topics = Topics::exact(["t"]);
+    for attempt in 1..=2 {
+        let hold = store.take(10, HOLD, &topics).await.unwrap().unwrap();
+        assert_eq!(hold.messages[0].attempts, attempt);
+        // The relay dies mid-delivery: its connection goes, the transaction rolls back.
+        drop(hold);
+        assert!(
+            eventually(Duration::from_secs(10), || async {
+                store.lost_holds().await.unwrap() == 1
+            })
+            .await,
+            "the lost hold was not counted"
+        );
+        let rescued = store.rescue_expired().await.unwrap();
+        if attempt == 1 {
+            assert_eq!((rescued.retried.len(), rescued.dead.len()), (1, 0));
+            db.exec("UPDATE postbox.messages SET run_at = now() WHERE state = 'scheduled'; SELECT postbox.promote_due(10)");
+        } else {
+            assert_eq!((rescued.retried.len(), rescued.dead.len()), (0, 1));
+        }
+    }
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters WHERE reason LIKE '%attempts exhausted (2 of 2)%without a commit%'"),
+        1
+    );
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.holds"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_take_ordered_heads_only_and_their_delivery_promotes_the_next() {
+    let db = TestDb::migrated();
+    let ids = enqueue(
+        &db,
+        (0..3)
+            .map(|i| Message::new("o").key("k").ordered().payload(&i))
+            .collect(),
+    );
+    let store = db.store().await;
+    let topics = Topics::exact(["o"]);
+    for id in ids {
+        let hold = store.take(10, HOLD, &topics).await.unwrap().unwrap();
+        let got: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
+        assert_eq!(got, [id]);
+        store.end_hold(hold, &[id], &[], LEASE).await.unwrap();
+    }
+    assert!(store.take(10, HOLD, &topics).await.unwrap().is_none());
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+}
