@@ -234,3 +234,77 @@ async fn a_transaction_held_open_shows_in_the_metrics_and_holds_up_no_delivery()
     assert!(lost.is_empty(), "lost: {lost:?}");
     assert_eq!(dead, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_crashes_its_relay_every_time_ends_in_the_dead_letters() {
+    use postbox::engine::maintenance::Rescuer;
+    use std::sync::atomic::AtomicUsize;
+    let db = TestDb::migrated();
+    postbox::enqueue(
+        &mut db.conn(),
+        &postbox::Message::new("crash").max_attempts(3),
+    )
+    .unwrap();
+    // Another replica's rescuer counts the attempts of holds that never committed.
+    let fast = postbox::Backoff {
+        base: Duration::from_millis(10),
+        cap: Duration::from_millis(10),
+        jitter: 0.0,
+    };
+    let rescuer = Rescuer::new(
+        db.store().await.with_backoff(fast).unwrap(),
+        Duration::from_millis(200),
+    );
+    let stop_rescuer = CancellationToken::new();
+    let rescuing = tokio::spawn(rescuer.run(stop_rescuer.clone()));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let mut crashes = 0;
+    // The handler takes the relay down: its runtime is dropped while the batch is held (the
+    // hold never commits, as when the process dies).
+    while db.scalar("SELECT count(*) AS v FROM postbox.dead_letters") == 0 && crashes < 10 {
+        let before = calls.load(Ordering::SeqCst);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (url, c) = (db.url.clone(), calls.clone());
+        rt.spawn(async move {
+            let handlers = Handlers::new().on("crash", move |_: Job<serde_json::Value>| {
+                let c = c.clone();
+                async move {
+                    c.fetch_add(1, Ordering::SeqCst);
+                    std::future::pending::<()>().await;
+                    Ok(())
+                }
+            });
+            let engine = Engine::builder(url)
+                .handlers(handlers)
+                .config(chaos_config())
+                .build()
+                .await
+                .unwrap();
+            let _ = engine.run(CancellationToken::new()).await;
+        });
+        eventually(Duration::from_secs(10), || async {
+            calls.load(Ordering::SeqCst) > before
+                || db.scalar("SELECT count(*) AS v FROM postbox.dead_letters") > 0
+        })
+        .await;
+        rt.shutdown_background();
+        crashes += 1;
+    }
+    let dead = eventually(Duration::from_secs(10), || async {
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters WHERE reason LIKE 'attempts exhausted (3 of 3)%without a commit%'") == 1
+    })
+    .await;
+    stop_rescuer.cancel();
+    rescuing.await.unwrap();
+    assert!(
+        dead,
+        "after {crashes} crashes the message is not in the dead letters"
+    );
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+    let calls = calls.load(Ordering::SeqCst);
+    assert!((3..=6).contains(&calls), "delivered {calls} times");
+}

@@ -24,6 +24,7 @@ async fn a_hold_locks_its_batch_deletes_the_delivered_and_leases_the_rest() {
     let topics = Topics::exact(["t"]);
 
     let hold = store.take(6, HOLD, &topics).await.unwrap().unwrap();
+    store.register_hold(&hold).await.unwrap();
     let held: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
     assert_eq!(held, ids[..6]);
     assert!(hold.messages.iter().all(|m| m.attempts == 1));
@@ -69,6 +70,7 @@ async fn a_hold_that_never_commits_uses_its_attempt_until_the_message_is_dead_le
     let topics = Topics::exact(["t"]);
     for attempt in 1..=2 {
         let hold = store.take(10, HOLD, &topics).await.unwrap().unwrap();
+        store.register_hold(&hold).await.unwrap();
         assert_eq!(hold.messages[0].attempts, attempt);
         // The relay dies mid-delivery: its connection goes, the transaction rolls back.
         drop(hold);
@@ -110,8 +112,43 @@ async fn holds_take_ordered_heads_only_and_their_delivery_promotes_the_next() {
         let hold = store.take(10, HOLD, &topics).await.unwrap().unwrap();
         let got: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
         assert_eq!(got, [id]);
+        store.register_hold(&hold).await.unwrap();
         store.end_hold(hold, &[id], &[], LEASE).await.unwrap();
     }
     assert!(store.take(10, HOLD, &topics).await.unwrap().is_none());
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_then() {
+    let db = TestDb::migrated();
+    enqueue(&db, vec![Message::new("t"), Message::new("t")]);
+    let store = db.store().await;
+    let topics = Topics::exact(["t"]);
+
+    // Unregistered: its loss could not be counted, so it may not commit.
+    let hold = store.take(1, HOLD, &topics).await.unwrap().unwrap();
+    let id = hold.messages[0].id;
+    assert!(store.end_hold(hold, &[id], &[], LEASE).await.is_err());
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE state = 'available'") == 2
+        })
+        .await,
+        "rolled back: both messages are claimable"
+    );
+
+    // A hold that ends later than its start leases for the full lease from its end.
+    let hold = store.take(2, HOLD, &topics).await.unwrap().unwrap();
+    store.register_hold(&hold).await.unwrap();
+    let ids: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
+    tokio::time::sleep(Duration::from_millis(1_500)).await; // time passing, not a race
+    store
+        .end_hold(hold, &[], &ids, Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE state = 'running' AND locked_until > now()"),
+        2
+    );
 }

@@ -519,6 +519,18 @@ async fn main() {
         println!("drain_vs_heldlock={:.2}", drain / held);
     }
 
+    if a.only.as_deref() == Some("engine-drain") {
+        // The engine's drain alone, three times (for profiling and quick comparisons).
+        for _ in 0..3 {
+            reset(&a.url);
+            enqueue_noop(&a.url, n).await;
+            println!(
+                "drain: engine {:.0} msg/s",
+                drain_engine(&a.url, n, a.claimers).await
+            );
+        }
+        return;
+    }
     if a.only.as_deref() == Some("ordered-drain") {
         let r = backlog::ordered_drain(&a.url).await;
         println!("ordered_drain_ratio={r:.2}");

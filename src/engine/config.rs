@@ -34,6 +34,11 @@ pub const DEFAULT_SCHEDULE_INTERVAL: Duration = Duration::from_millis(100);
 /// Longest a delivery may run (a handler call, a batch to Kafka) before it counts as a failed
 /// attempt, as River's default job timeout. Longer jobs set a per-topic override.
 pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(60);
+/// Longest a batch is held (see [`EngineConfig::hold_limit`]).
+pub const DEFAULT_HOLD_LIMIT: Duration = Duration::from_secs(1);
+/// Held batches in flight per engine at most, each on a pool connection of its own; past that,
+/// claims lease.
+pub const MAX_HOLDS: usize = 4;
 /// How often expired leases are rescued.
 pub const DEFAULT_RESCUE_INTERVAL: Duration = Duration::from_secs(10);
 /// Most outcomes written per completer flush.
@@ -82,6 +87,14 @@ pub struct EngineConfig {
     /// Per-topic `delivery_timeout`s, `(pattern, timeout)` (`*` matches any run of characters);
     /// of the patterns that match a topic, the longest wins.
     pub topic_timeouts: Vec<(String, Duration)>,
+    /// Held batches, the claim's fast path: a batch is taken by locking its rows in a
+    /// transaction that stays open while it is delivered, and the delivered messages are deleted
+    /// in that transaction — no lease is written for them. When the hold ends, after its last
+    /// outcome or at this limit, whatever is not delivered (a retry, a dead letter, a delivery
+    /// still running) is leased and settled as a claimed message. The limit bounds how long a
+    /// transaction stays open (the database's xmin horizon) and delays the settling of fast
+    /// deliveries held with a slow one. Zero: always lease.
+    pub hold_limit: Duration,
 }
 
 impl Default for EngineConfig {
@@ -102,6 +115,7 @@ impl Default for EngineConfig {
             drain: false,
             delivery_timeout: DEFAULT_DELIVERY_TIMEOUT,
             topic_timeouts: Vec::new(),
+            hold_limit: DEFAULT_HOLD_LIMIT,
         }
     }
 }
@@ -134,6 +148,15 @@ impl EngineConfig {
                     format!("must be at least 10ms, got {t:?}"),
                 ));
             }
+        }
+        if self.hold_limit > Duration::from_secs(60) {
+            return Err(invalid(
+                "hold_limit",
+                format!(
+                    "must be at most 60s (it keeps a transaction open), got {:?}",
+                    self.hold_limit
+                ),
+            ));
         }
         if self.batch_size == 0 || self.batch_size > 10_000 {
             return Err(invalid(

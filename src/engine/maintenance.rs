@@ -24,14 +24,22 @@ impl Rescuer {
         Rescuer { store, interval }
     }
 
-    /// Rescues every lease expired now, in batches, and drops the registrations of listeners that
-    /// died while waiting; returns what it rescued.
+    /// Rescues every lease expired now, in batches, after giving the messages of lost held
+    /// batches an expired lease (their attempt counts), and drops the registrations of listeners
+    /// that died while waiting; returns what it rescued.
     pub async fn run_once(&self) -> Result<RetryReport> {
         let stale = self.store.clean_listeners().await?;
         if stale > 0 {
             tracing::info!(
                 stale,
                 "dropped the registrations of listeners that are gone"
+            );
+        }
+        let lost = self.store.lost_holds().await?;
+        if lost > 0 {
+            tracing::warn!(
+                messages = lost,
+                "held batches ended without a commit (a relay crashed or lost its connection); their attempts are counted"
             );
         }
         let mut total = RetryReport::default();

@@ -22,6 +22,7 @@
 mod completer;
 pub mod config;
 mod flush;
+mod held;
 pub mod maintenance;
 mod notifier;
 pub mod observer;
@@ -116,7 +117,6 @@ impl EngineBuilder {
         self.config.schedule_interval = d;
         self
     }
-    /// Shutdown deadline (default 25 s).
     /// See [`EngineConfig::delivery_timeout`].
     pub fn delivery_timeout(mut self, d: Duration) -> Self {
         self.config.delivery_timeout = d;
@@ -127,6 +127,12 @@ impl EngineBuilder {
         self.config.topic_timeouts.push((pattern.into(), d));
         self
     }
+    /// See [`EngineConfig::hold_limit`] (default 1 s; zero: always lease).
+    pub fn hold_limit(mut self, d: Duration) -> Self {
+        self.config.hold_limit = d;
+        self
+    }
+    /// Shutdown deadline (default 25 s).
     pub fn shutdown_deadline(mut self, d: Duration) -> Self {
         self.config.shutdown_deadline = d;
         self
@@ -330,6 +336,7 @@ impl Engine {
             permits,
             rate: producer::ClaimRate::new(),
             hand_over: hand_over.clone(),
+            holds: Arc::new(tokio::sync::Semaphore::new(config::MAX_HOLDS)),
         });
         let loops: Vec<_> = (0..self.config.claimers)
             .map(|_| tokio::spawn(producer.clone().run()))

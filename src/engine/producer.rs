@@ -35,7 +35,12 @@ impl InFlight {
         let mut m = self.leases.lock().expect("in-flight lock");
         m.extend(batch.iter().map(|c| ((c.id, c.lease_token), c.lease())));
     }
-    fn remove(&self, lease: Lease) {
+    /// Leases of held messages leased as their hold ended.
+    pub(crate) fn add_leases(&self, leases: &[Lease]) {
+        let mut m = self.leases.lock().expect("in-flight lock");
+        m.extend(leases.iter().map(|l| ((l.id, l.token), *l)));
+    }
+    pub(crate) fn remove(&self, lease: Lease) {
         self.leases
             .lock()
             .expect("in-flight lock")
@@ -168,6 +173,8 @@ pub(crate) struct Producer {
     pub rate: ClaimRate,
     /// Messages the completer leased to this engine as it settled their keys' heads.
     pub hand_over: Arc<HandOver>,
+    /// Held batches in flight at most (each keeps a pool connection in a transaction).
+    pub holds: Arc<Semaphore>,
 }
 
 impl Producer {
@@ -220,14 +227,10 @@ impl Producer {
             // Drain mode ends only on an empty claim made after every outcome was written (an
             // outcome can make messages claimable: a retry due now, the next of an ordered key).
             let idle_before = self.idle(&tasks);
-            let batch = match self
-                .store
-                .claim(want, self.config.lease, &self.topics)
-                .await
-            {
-                Ok(b) => {
+            let got = match self.claim(want, chunk, &mut reserved, &mut tasks).await {
+                Ok(got) => {
                     db_pause = Duration::from_millis(100);
-                    b
+                    got
                 }
                 Err(e) => {
                     drop(reserved);
@@ -240,11 +243,7 @@ impl Producer {
                     continue;
                 }
             };
-            let got = batch.len();
-            self.observer.claimed(got);
-            self.rate.add(got);
             if got > 0 {
-                self.dispatch(batch, chunk, &mut reserved, &mut tasks);
                 rechecked = false;
                 if std::mem::take(&mut armed) {
                     if let Some(n) = &self.notifier {
@@ -314,7 +313,52 @@ impl Producer {
         tasks.is_empty() && self.inflight.len() == 0 && self.unwritten.load(Ordering::Acquire) == 0
     }
 
-    /// Starts one delivery per chunk, each holding one of the reserved permits.
+    /// Claims up to `want` messages and starts their deliveries: held (see
+    /// [`EngineConfig::hold_limit`]) while a hold slot is free, leased otherwise. Returns how many.
+    async fn claim(
+        self: &Arc<Self>,
+        want: usize,
+        chunk: usize,
+        reserved: &mut OwnedSemaphorePermit,
+        tasks: &mut JoinSet<()>,
+    ) -> crate::Result<usize> {
+        let slot = if self.config.hold_limit.is_zero() {
+            None
+        } else {
+            self.holds.clone().try_acquire_owned().ok()
+        };
+        if let Some(slot) = slot {
+            let Some(hold) = self
+                .store
+                .take(want, self.config.hold_limit, &self.topics)
+                .await?
+            else {
+                return Ok(0);
+            };
+            let got = hold.messages.len();
+            self.observer.claimed(got);
+            self.rate.add(got);
+            let permits = reserved
+                .split(got.div_ceil(chunk))
+                .expect("a permit was reserved for every chunk");
+            // Registered, delivered and ended by a task of its own: the claim loop goes on.
+            tasks.spawn(super::held::run(self.clone(), hold, chunk, permits, slot));
+            return Ok(got);
+        }
+        let batch = self
+            .store
+            .claim(want, self.config.lease, &self.topics)
+            .await?;
+        let got = batch.len();
+        self.observer.claimed(got);
+        self.rate.add(got);
+        if got > 0 {
+            self.dispatch(batch, chunk, reserved, tasks);
+        }
+        Ok(got)
+    }
+
+    /// Starts one delivery per chunk of leased messages, each holding one of the reserved permits.
     fn dispatch(
         &self,
         batch: Vec<ClaimedMessage>,
@@ -323,6 +367,22 @@ impl Producer {
         tasks: &mut JoinSet<()>,
     ) {
         self.inflight.add(&batch); // again for handed-over batches: no harm
+        let tx = self.settle_tx.clone();
+        let inflight = Some(self.inflight.clone());
+        self.spawn_deliveries(batch, chunk, reserved, tasks, tx, inflight);
+    }
+
+    /// One delivery per chunk, each holding one of the reserved permits; outcomes go to `tx`
+    /// (and out of `inflight`, for leased messages).
+    pub(crate) fn spawn_deliveries(
+        &self,
+        batch: Vec<ClaimedMessage>,
+        chunk: usize,
+        reserved: &mut OwnedSemaphorePermit,
+        tasks: &mut JoinSet<()>,
+        tx: mpsc::Sender<Settle>,
+        inflight: Option<Arc<InFlight>>,
+    ) {
         let mut rest = batch.into_iter().peekable();
         while rest.peek().is_some() {
             let permit = reserved
@@ -339,8 +399,8 @@ impl Producer {
                 part,
                 timeout,
                 permit,
-                self.settle_tx.clone(),
-                self.inflight.clone(),
+                tx.clone(),
+                inflight.clone(),
                 self.observer.clone(),
                 self.health.clone(),
                 self.unwritten.clone(),
@@ -356,7 +416,7 @@ async fn deliver(
     timeout: Duration,
     permit: OwnedSemaphorePermit,
     tx: mpsc::Sender<Settle>,
-    inflight: Arc<InFlight>,
+    inflight: Option<Arc<InFlight>>,
     observer: Arc<dyn Observer>,
     health: Arc<SinkHealth>,
     unwritten: Arc<AtomicUsize>,
@@ -423,7 +483,7 @@ async fn settle(
     meta: Vec<(Lease, String, bool, chrono::DateTime<chrono::Utc>)>,
     kinds: impl IntoIterator<Item = SettleKind>,
     tx: mpsc::Sender<Settle>,
-    inflight: Arc<InFlight>,
+    inflight: Option<Arc<InFlight>>,
     unwritten: Arc<AtomicUsize>,
     permit: OwnedSemaphorePermit,
 ) {
@@ -443,7 +503,9 @@ async fn settle(
             unwritten.fetch_sub(1, Ordering::AcqRel);
             break; // completer gone: shutdown releases what is left in flight
         }
-        inflight.remove(lease);
+        if let Some(inflight) = &inflight {
+            inflight.remove(lease);
+        }
     }
     drop(permit);
 }

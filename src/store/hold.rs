@@ -26,7 +26,16 @@ FROM "
     };
 }
 
-const TAKE_ONE: &str = concat!(take_columns!(), "postbox.take_topic($3, $4)");
+/// `postbox.take_topic` inline (in a transaction that pins its planner settings, see BEGIN_TAKE):
+/// the function's result set is not materialised.
+const TAKE_ONE: &str = concat!(
+    take_columns!(),
+    "postbox.messages WHERE state = 'available' AND topic = $3 ORDER BY priority, id LIMIT $4 FOR UPDATE SKIP LOCKED"
+);
+
+/// The planner settings of the claim functions, for the transaction of a hold (one round trip
+/// with its BEGIN).
+const BEGIN_TAKE: &str = "BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off";
 
 const TAKE: &str = concat!(take_columns!(), "postbox.take($3, $4, $5, $6, $7, $8)");
 
@@ -46,7 +55,8 @@ heads AS (
 leased AS (
     UPDATE postbox.messages m
     SET state = 'running', attempts = m.attempts + 1,
-        locked_until = now() + make_interval(secs => $3), lease_token = $4, locked_by = $5
+        -- now() is when the hold began.
+        locked_until = statement_timestamp() + make_interval(secs => $3), lease_token = $4, locked_by = $5
     WHERE m.id = ANY($2::bigint[])
     RETURNING m.id
 ),
@@ -74,6 +84,7 @@ pub struct Hold {
     conn: bb8::PooledConnection<'static, AsyncDieselConnectionManager<AsyncPgConnection>>,
     xid: String,
     token: i64,
+    ids: Vec<MessageId>,
     /// The messages, in (priority, id) order. `attempts` is the attempt this delivery is;
     /// `lease_token` the token of the lease they get if they are still unsettled when the hold ends.
     pub messages: Vec<ClaimedMessage>,
@@ -119,11 +130,11 @@ struct SettleRow {
 
 impl Store {
     /// Takes up to `batch` claimable messages of `topics` into a hold (see the module): their rows
-    /// are locked by a transaction left open on a connection of the pool, and the hold is
-    /// registered (committed, on another connection) before this returns, so that its attempt is
-    /// counted if the transaction never commits. `None` when nothing is claimable. `limit` is
-    /// only what `locked_until` of the returned messages says: ending the hold in time is the
-    /// caller's duty.
+    /// are locked by a transaction left open on a connection of the pool. `None` when nothing is
+    /// claimable. Before delivering any of them, [`Store::register_hold`]: a hold that is not
+    /// registered cannot end (its messages would be delivered without their attempt being
+    /// counted should it never commit). `limit` is only what `locked_until` of the returned
+    /// messages says: ending the hold in time is the caller's duty.
     pub async fn take(
         &self,
         batch: usize,
@@ -140,7 +151,7 @@ impl Store {
             .map_err(|e| Error::Pool(e.to_string()))?;
         let batch = i32::try_from(batch).unwrap_or(i32::MAX);
         let token = fastrand::i64(..);
-        AnsiTransactionManager::begin_transaction(&mut *conn).await?;
+        AnsiTransactionManager::begin_transaction_sql(&mut *conn, BEGIN_TAKE).await?;
         let rows: Vec<HeldRow> = if let Some(topic) = topics.single() {
             diesel::sql_query(TAKE_ONE)
                 .bind::<Double, _>(limit.as_secs_f64())
@@ -168,20 +179,26 @@ impl Store {
         };
         let mut messages: Vec<ClaimedMessage> = rows.into_iter().map(|r| r.message).collect();
         messages.sort_unstable_by_key(|m| (m.priority, m.id));
-        let ids: Vec<MessageId> = messages.iter().map(|m| m.id).collect();
-        // If this fails, the hold is dropped unregistered: nothing was delivered, nothing to count.
-        diesel::sql_query(REGISTER)
-            .bind::<Text, _>(&xid)
-            .bind::<Array<BigInt>, _>(&ids)
-            .bind::<Text, _>(&*self.owner)
-            .execute(&mut *self.conn().await?)
-            .await?;
         Ok(Some(Hold {
             conn,
             xid,
             token,
+            ids: messages.iter().map(|m| m.id).collect(),
             messages,
         }))
+    }
+
+    /// Registers `hold` (committed, on another connection of the pool), so that its attempt is
+    /// counted if its transaction never commits. Dropping the hold after an error is safe: nothing
+    /// was delivered.
+    pub async fn register_hold(&self, hold: &Hold) -> Result<()> {
+        diesel::sql_query(REGISTER)
+            .bind::<Text, _>(&hold.xid)
+            .bind::<Array<BigInt>, _>(&hold.ids)
+            .bind::<Text, _>(&*self.owner)
+            .execute(&mut *self.conn().await?)
+            .await?;
+        Ok(())
     }
 
     /// Ends `hold` and commits: `delivered` are deleted, `rest` are leased to the caller for
