@@ -72,6 +72,10 @@ pub struct RelaySection {
         skip_serializing_if = "BTreeMap::is_empty"
     )]
     pub topic_timeouts: BTreeMap<String, Duration>,
+    /// Longest a batch is held under its row locks before what is undelivered is leased
+    /// (`"0s"`: always lease).
+    #[serde(default, with = "opt_duration")]
+    pub hold_limit: Option<Duration>,
 }
 
 /// `[metrics]`.
@@ -355,6 +359,7 @@ impl Config {
             .iter()
             .map(|(k, d)| (k.clone(), *d))
             .collect();
+        engine.hold_limit = r.hold_limit.unwrap_or(defaults::DEFAULT_HOLD_LIMIT);
         engine.validate().map_err(|e| match e {
             crate::Error::InvalidArgument { field, problem } => {
                 err(format!("relay.{field}"), problem)
@@ -483,6 +488,7 @@ impl Settings {
                 shutdown_deadline: Some(self.engine.shutdown_deadline),
                 delivery_timeout: Some(self.engine.delivery_timeout),
                 topic_timeouts: self.engine.topic_timeouts.iter().cloned().collect(),
+                hold_limit: Some(self.engine.hold_limit),
             },
             metrics: MetricsSection {
                 listen: Some(self.metrics_listen.to_string()),
@@ -616,6 +622,17 @@ sink = "log"
         );
         let e = Config::from_toml("[relay]\ntopic_timeouts = { \"a\" = \"soon\" }\n").unwrap_err();
         assert!(e.to_string().contains("topic_timeouts"), "{e}");
+        assert_eq!(s.engine.hold_limit, Duration::from_secs(1));
+        let leasing = Config::from_toml("[relay]\nhold_limit = \"0s\"\n")
+            .unwrap()
+            .resolve(Overrides::default())
+            .unwrap();
+        assert!(leasing.engine.hold_limit.is_zero());
+        let e = Config::from_toml("[relay]\nhold_limit = \"2m\"\n")
+            .unwrap()
+            .resolve(Overrides::default())
+            .unwrap_err();
+        assert!(e.to_string().contains("relay.hold_limit"), "{e}");
         assert_eq!(s.routes.len(), 2);
         assert_eq!(s.kafka.unwrap().properties["compression.type"], "lz4");
     }

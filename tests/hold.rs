@@ -23,7 +23,7 @@ async fn a_hold_locks_its_batch_deletes_the_delivered_and_leases_the_rest() {
     let store = db.store().await;
     let topics = Topics::exact(["t"]);
 
-    let hold = store.take(6, HOLD, &topics).await.unwrap().unwrap();
+    let hold = store.take(6, HOLD, &topics, &[]).await.unwrap().unwrap();
     store.register_hold(&hold).await.unwrap();
     let held: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
     assert_eq!(held, ids[..6]);
@@ -36,7 +36,7 @@ async fn a_hold_locks_its_batch_deletes_the_delivered_and_leases_the_rest() {
     let other = store.claim(100, LEASE, &topics).await.unwrap();
     let other_ids: Vec<i64> = other.iter().map(|m| m.id).collect();
     assert_eq!(other_ids, ids[6..]);
-    assert!(store.take(100, HOLD, &topics).await.unwrap().is_none());
+    assert!(store.take(100, HOLD, &topics, &[]).await.unwrap().is_none());
     // A hold in progress is not lost.
     assert_eq!(store.lost_holds().await.unwrap(), 0);
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.holds"), 1);
@@ -69,7 +69,7 @@ async fn a_hold_that_never_commits_uses_its_attempt_until_the_message_is_dead_le
     let store = db.store().await;
     let topics = Topics::exact(["t"]);
     for attempt in 1..=2 {
-        let hold = store.take(10, HOLD, &topics).await.unwrap().unwrap();
+        let hold = store.take(10, HOLD, &topics, &[]).await.unwrap().unwrap();
         store.register_hold(&hold).await.unwrap();
         assert_eq!(hold.messages[0].attempts, attempt);
         // The relay dies mid-delivery: its connection goes, the transaction rolls back.
@@ -109,13 +109,13 @@ async fn holds_take_ordered_heads_only_and_their_delivery_promotes_the_next() {
     let store = db.store().await;
     let topics = Topics::exact(["o"]);
     for id in ids {
-        let hold = store.take(10, HOLD, &topics).await.unwrap().unwrap();
+        let hold = store.take(10, HOLD, &topics, &[]).await.unwrap().unwrap();
         let got: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
         assert_eq!(got, [id]);
         store.register_hold(&hold).await.unwrap();
         store.end_hold(hold, &[id], &[], LEASE).await.unwrap();
     }
-    assert!(store.take(10, HOLD, &topics).await.unwrap().is_none());
+    assert!(store.take(10, HOLD, &topics, &[]).await.unwrap().is_none());
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
 }
 
@@ -127,7 +127,7 @@ async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_t
     let topics = Topics::exact(["t"]);
 
     // Unregistered: its loss could not be counted, so it may not commit.
-    let hold = store.take(1, HOLD, &topics).await.unwrap().unwrap();
+    let hold = store.take(1, HOLD, &topics, &[]).await.unwrap().unwrap();
     let id = hold.messages[0].id;
     assert!(store.end_hold(hold, &[id], &[], LEASE).await.is_err());
     assert!(
@@ -139,7 +139,7 @@ async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_t
     );
 
     // A hold that ends later than its start leases for the full lease from its end.
-    let hold = store.take(2, HOLD, &topics).await.unwrap().unwrap();
+    let hold = store.take(2, HOLD, &topics, &[]).await.unwrap().unwrap();
     store.register_hold(&hold).await.unwrap();
     let ids: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
     tokio::time::sleep(Duration::from_millis(1_500)).await; // time passing, not a race
@@ -151,4 +151,37 @@ async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_t
         db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE state = 'running' AND locked_until > now()"),
         2
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_take_after_a_position_starts_there_on_one_topic_or_several() {
+    let db = TestDb::migrated();
+    let a = enqueue(&db, (0..4).map(|_| Message::new("a")).collect());
+    let b = enqueue(&db, (0..4).map(|_| Message::new("b")).collect());
+    let store = db.store().await;
+    let ids = |h: &postbox::store::Hold| h.messages.iter().map(|m| m.id).collect::<Vec<_>>();
+
+    // One topic (the inline statement).
+    let after = [("a".to_owned(), 0i16, a[1])];
+    let hold = store
+        .take(10, HOLD, &Topics::exact(["a"]), &after)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(ids(&hold), a[2..]);
+    drop(hold);
+
+    // Several topics (postbox.take): each after its own position, the others from the front;
+    // the second pass of a topic continues after its first (no row twice).
+    let after = [("b".to_owned(), 0i16, b[2])];
+    let hold = store
+        .take(10, HOLD, &Topics::exact(["a", "b"]), &after)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut got = ids(&hold);
+    got.sort_unstable();
+    let mut want: Vec<i64> = a.iter().chain(&b[3..]).copied().collect();
+    want.sort_unstable();
+    assert_eq!(got, want);
 }

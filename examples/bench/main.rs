@@ -352,18 +352,46 @@ async fn writers(url: &str, with_message: bool, ordered: bool, secs: u64) -> f64
 }
 
 /// Relays `n` messages to Kafka (topic `bench`, 3 partitions) with the engine and the Kafka sink.
-async fn kafka_relay(url: &str, brokers: &str, n: usize) {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()
-        .unwrap();
-    let _ = admin
-        .create_topics(
-            &[NewTopic::new("bench", 3, TopicReplication::Fixed(1))],
-            &AdminOptions::new(),
-        )
-        .await;
+/// The broker's own ceiling: `n` records like the relay's, produced straight from memory with the
+/// sink's producer settings, every report awaited.
+async fn kafka_raw(brokers: &str, n: usize) -> f64 {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let producer: FutureProducer = {
+        let mut c = rdkafka::ClientConfig::new();
+        c.set("bootstrap.servers", brokers);
+        for (k, v) in postbox::sink::kafka::PRODUCER_DEFAULTS {
+            c.set(k, v);
+        }
+        c.create().unwrap()
+    };
+    let payload =
+        serde_json::to_vec(&serde_json::json!({"n": 1, "body": "x".repeat(200)})).unwrap();
+    let t = Instant::now();
+    let mut pending = Vec::with_capacity(n);
+    for i in 0..n {
+        let key = format!("k{}", i % 100);
+        let mut record = FutureRecord::to("bench").payload(&payload).key(&key);
+        loop {
+            match producer.send_result(record) {
+                Ok(f) => {
+                    pending.push(f);
+                    break;
+                }
+                Err((_, r)) => {
+                    record = r;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    }
+    for f in pending {
+        f.await.unwrap().unwrap();
+    }
+    n as f64 / t.elapsed().as_secs_f64()
+}
+
+/// `n` messages like an app's events: ~230-byte JSON, 100 keys, topic `bench`.
+async fn fill_events(url: &str, n: usize) {
     let mut conn = AsyncPgConnection::establish(url).await.unwrap();
     let mut left = n;
     let mut i = 0;
@@ -383,51 +411,88 @@ async fn kafka_relay(url: &str, brokers: &str, n: usize) {
     conn.batch_execute("ANALYZE postbox.messages")
         .await
         .unwrap();
-    for batch in [500usize, 1000] {
-        let producer = postbox::sink::kafka::producer(brokers, &Default::default()).unwrap();
-        let sink = postbox::sink::kafka::KafkaSink::new(producer, postbox::Topics::all(), None);
-        let engine = Engine::builder(url)
-            .sink(sink)
-            .config(EngineConfig {
-                batch_size: batch,
-                concurrency: 4,
-                drain: true,
-                ..Default::default()
-            })
-            .build()
-            .await
-            .unwrap();
-        let t = Instant::now();
-        let report = engine.run(CancellationToken::new()).await.unwrap();
-        let secs = t.elapsed().as_secs_f64();
-        println!(
-            "kafka: {} messages (~230-byte JSON, 100 keys, 3 partitions) relayed with batch {batch}, 4 batches in flight: {:.0} msg/s",
-            report.delivered,
-            report.delivered as f64 / secs
-        );
-        if batch == 500 {
-            // Refill for the second run.
-            let mut left = n;
-            while left > 0 {
-                let k = left.min(1000);
-                let msgs: Vec<Message> = (0..k)
-                    .map(|j| {
-                        Message::new("bench")
-                            .key(format!("k{}", j % 100))
-                            .payload(&serde_json::json!({"n": j, "body": "x".repeat(200)}))
-                    })
-                    .collect();
-                postbox::enqueue_many_async(&mut conn, &msgs).await.unwrap();
-                left -= k;
-            }
-            conn.batch_execute("ANALYZE postbox.messages")
-                .await
-                .unwrap();
-        }
-    }
 }
 
-/// Counts every notification on channel `postbox` (LISTEN without registering as waiting).
+/// Relays every message of topic `bench` to Kafka (batch 1000); msg/s.
+async fn kafka_relay(url: &str, brokers: &str, claimers: Option<usize>) -> f64 {
+    let producer = postbox::sink::kafka::producer(brokers, &Default::default()).unwrap();
+    let sink =
+        postbox::sink::kafka::KafkaSink::new(producer, postbox::Topics::exact(["bench"]), None);
+    let engine = Engine::builder(url)
+        .sink(sink)
+        .config(EngineConfig {
+            batch_size: 1000,
+            concurrency: 4,
+            claimers: claimers.unwrap_or(EngineConfig::default().claimers),
+            drain: true,
+            ..Default::default()
+        })
+        .build()
+        .await
+        .unwrap();
+    let t = Instant::now();
+    let report = engine.run(CancellationToken::new()).await.unwrap();
+    report.delivered as f64 / t.elapsed().as_secs_f64()
+}
+
+/// The same messages to a no-op handler in the app (the embedded queue); msg/s.
+async fn embedded_events(url: &str, claimers: Option<usize>) -> f64 {
+    let handlers = Handlers::new().on("bench", |_: Job<serde_json::Value>| async { Ok(()) });
+    let engine = Engine::builder(url)
+        .handlers(handlers)
+        .config(EngineConfig {
+            concurrency: 2000,
+            claimers: claimers.unwrap_or(EngineConfig::default().claimers),
+            batch_size: 1000,
+            drain: true,
+            ..Default::default()
+        })
+        .build()
+        .await
+        .unwrap();
+    let t = Instant::now();
+    let report = engine.run(CancellationToken::new()).await.unwrap();
+    report.delivered as f64 / t.elapsed().as_secs_f64()
+}
+
+/// Kafka against the embedded queue on the same messages, alternating, and the broker's own
+/// ceiling.
+async fn kafka_bench(url: &str, brokers: &str, n: usize, claimers: Option<usize>) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .unwrap();
+    let _ = admin
+        .create_topics(
+            &[NewTopic::new("bench", 3, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await;
+    let (mut kafka, mut embedded) = (Vec::new(), Vec::new());
+    for round in 0..3 {
+        for first in [round % 2 == 0, round % 2 == 1] {
+            reset(url);
+            fill_events(url, n).await;
+            if first {
+                kafka.push(kafka_relay(url, brokers, claimers).await);
+            } else {
+                embedded.push(embedded_events(url, claimers).await);
+            }
+        }
+    }
+    let raw = kafka_raw(brokers, n).await;
+    println!(
+        "kafka: {n} messages (~230-byte JSON, 100 keys, 3 partitions), batch 1000, 4 batches in flight: {kafka:.0?} msg/s"
+    );
+    println!("kafka: the same messages to a no-op handler (embedded queue): {embedded:.0?} msg/s");
+    println!(
+        "kafka: raw producer, {n} records from memory (the broker's ceiling here): {raw:.0} msg/s"
+    );
+    println!("kafka_msgs_per_s={:.0}", median(&kafka));
+    println!("kafka_vs_drain={:.2}", median(&kafka) / median(&embedded));
+}
+
 async fn count_notifications(url: &str, count: Arc<AtomicU64>) -> tokio::task::JoinHandle<()> {
     use futures_util::StreamExt;
     let mut conn = AsyncPgConnection::establish(url).await.unwrap();
@@ -553,8 +618,7 @@ async fn main() {
             .kafka
             .clone()
             .expect("--only kafka needs --kafka-brokers HOST:PORT");
-        reset(&a.url);
-        kafka_relay(&a.url, &brokers, n).await;
+        kafka_bench(&a.url, &brokers, n, a.claimers).await;
         return;
     }
 

@@ -29,8 +29,17 @@ CREATE TABLE postbox.holds (
     autovacuum_analyze_scale_factor = 0
 );
 
--- One topic's batch for a hold: claim_topic without the lease.
-CREATE FUNCTION postbox.take_topic(p_topic text, p_batch integer) RETURNS SETOF postbox.messages
+-- One topic's batch for a hold: claim_topic without the lease. A relay's holds in flight keep
+-- their rows locked, and skipping a locked row costs a lock check (measured: ~1.7 µs a row here,
+-- 3.5 ms for 2,000 rows behind a take of 500 that itself takes 0.5 ms), so a relay that has holds
+-- in flight takes after the last row it took (p_after_priority, p_after_id), and from the front
+-- again every few tens of milliseconds (rows that became available behind it meanwhile).
+CREATE FUNCTION postbox.take_topic(
+    p_topic text,
+    p_batch integer,
+    p_after_priority smallint DEFAULT NULL,
+    p_after_id bigint DEFAULT NULL
+) RETURNS SETOF postbox.messages
 LANGUAGE plpgsql
 SET enable_seqscan = off
 SET enable_bitmapscan = off
@@ -38,24 +47,38 @@ SET enable_sort = off
 SET jit = off
 AS $$
 BEGIN
-    RETURN QUERY
-    SELECT m.* FROM postbox.messages m
-    WHERE m.state = 'available' AND m.topic = p_topic
-    ORDER BY m.priority, m.id
-    LIMIT p_batch
-    FOR UPDATE SKIP LOCKED;
+    IF p_after_id IS NULL THEN
+        RETURN QUERY
+        SELECT m.* FROM postbox.messages m
+        WHERE m.state = 'available' AND m.topic = p_topic
+        ORDER BY m.priority, m.id
+        LIMIT p_batch
+        FOR UPDATE SKIP LOCKED;
+    ELSE
+        RETURN QUERY
+        SELECT m.* FROM postbox.messages m
+        WHERE m.state = 'available' AND m.topic = p_topic
+          AND (m.priority, m.id) > (p_after_priority, p_after_id)
+        ORDER BY m.priority, m.id
+        LIMIT p_batch
+        FOR UPDATE SKIP LOCKED;
+    END IF;
 END
 $$;
 
 -- A batch for a hold from the topics the filter lets through, shared between them as
--- postbox.claim shares a claim.
+-- postbox.claim shares a claim; a topic named in p_after_topics is taken after its position
+-- there (see take_topic).
 CREATE FUNCTION postbox.take(
     p_batch integer,
     p_all_topics boolean,
     p_topics text[],
     p_patterns text[],
     p_not_topics text[],
-    p_not_patterns text[]
+    p_not_patterns text[],
+    p_after_topics text[] DEFAULT '{}',
+    p_after_priorities smallint[] DEFAULT '{}',
+    p_after_ids bigint[] DEFAULT '{}'
 ) RETURNS SETOF postbox.messages
 LANGUAGE plpgsql
 AS $$
@@ -65,10 +88,23 @@ DECLARE
     v_share integer;
     v_got integer := 0;
     v_n integer;
-    v_more text[] := '{}';
     v_topic text;
+    v_at integer;
+    v_priority smallint;
+    v_id bigint;
+    v_row postbox.messages;
+    -- Topics that filled their share, and where their first take ended.
+    v_more text[] := '{}';
+    v_more_priorities smallint[] := '{}';
+    v_more_ids bigint[] := '{}';
 BEGIN
     IF v_count = 0 OR p_batch <= 0 THEN
+        RETURN;
+    END IF;
+    IF v_count = 1 THEN
+        -- One busy topic (the usual case): its take alone, without the row-by-row loop below.
+        v_at := array_position(p_after_topics, v_topics[1]);
+        RETURN QUERY SELECT * FROM postbox.take_topic(v_topics[1], p_batch, p_after_priorities[v_at], p_after_ids[v_at]);
         RETURN;
     END IF;
     IF v_count > p_batch THEN
@@ -77,16 +113,28 @@ BEGIN
     END IF;
     v_share := p_batch / v_count;
     FOREACH v_topic IN ARRAY v_topics LOOP
-        RETURN QUERY SELECT * FROM postbox.take_topic(v_topic, v_share);
-        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_at := array_position(p_after_topics, v_topic);
+        v_priority := p_after_priorities[v_at];
+        v_id := p_after_ids[v_at];
+        v_n := 0;
+        FOR v_row IN SELECT * FROM postbox.take_topic(v_topic, v_share, v_priority, v_id) LOOP
+            RETURN NEXT v_row;
+            v_n := v_n + 1;
+            v_priority := v_row.priority;
+            v_id := v_row.id;
+        END LOOP;
         v_got := v_got + v_n;
         IF v_n = v_share THEN
             v_more := v_more || v_topic;
+            v_more_priorities := v_more_priorities || v_priority;
+            v_more_ids := v_more_ids || v_id;
         END IF;
     END LOOP;
-    FOREACH v_topic IN ARRAY v_more LOOP
+    -- The rest of the batch to the topics that had more, each after what it gave already (a row
+    -- this transaction locked would be returned again).
+    FOR i IN 1 .. cardinality(v_more) LOOP
         EXIT WHEN v_got >= p_batch;
-        RETURN QUERY SELECT * FROM postbox.take_topic(v_topic, p_batch - v_got);
+        RETURN QUERY SELECT * FROM postbox.take_topic(v_more[i], p_batch - v_got, v_more_priorities[i], v_more_ids[i]);
         GET DIAGNOSTICS v_n = ROW_COUNT;
         v_got := v_got + v_n;
     END LOOP;

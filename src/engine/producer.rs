@@ -13,7 +13,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::completer::{HandOver, Settle, SettleKind};
-use super::config::{EngineConfig, LINGER_STEP};
+use super::config::{EngineConfig, LINGER_STEP, MAX_HOLDS};
 use super::notifier::Notifier;
 use super::observer::Observer;
 use crate::sink::{Outcome, Sink, Unavailable};
@@ -21,6 +21,52 @@ use crate::store::{ClaimedMessage, Lease, Store, Topics};
 
 /// In drain mode, the longest wait for the completer before claiming again.
 const DRAIN_POLL: Duration = Duration::from_millis(20);
+
+/// While its holds are in flight, a claim loop takes after the last row it took (see
+/// `Store::take`); this long after it last took from the front, it takes from the front again.
+const REWIND: Duration = Duration::from_millis(50);
+
+/// Where a claim loop's last take ended, per topic, while its holds are in flight.
+struct Cursor {
+    after: Vec<(String, i16, i64)>,
+    lap: Instant,
+}
+
+impl Cursor {
+    fn new() -> Self {
+        Cursor {
+            after: Vec::new(),
+            lap: Instant::now(),
+        }
+    }
+
+    /// The positions to take after now (none: from the front, and a new lap starts).
+    fn positions(&mut self, holds_in_flight: bool) -> &[(String, i16, i64)] {
+        if !holds_in_flight || self.lap.elapsed() >= REWIND {
+            self.after.clear();
+        }
+        if self.after.is_empty() {
+            self.lap = Instant::now();
+        }
+        &self.after
+    }
+
+    /// After a take of `batch` out of `want`: a short take reached the end, the next starts
+    /// from the front.
+    fn advance(&mut self, batch: &[ClaimedMessage], want: usize) {
+        if batch.len() < want {
+            self.after.clear();
+            return;
+        }
+        for m in batch {
+            match self.after.iter_mut().find(|(t, _, _)| *t == m.topic) {
+                Some(p) if (p.1, p.2) < (m.priority, m.id) => (p.1, p.2) = (m.priority, m.id),
+                Some(_) => {}
+                None => self.after.push((m.topic.clone(), m.priority, m.id)),
+            }
+        }
+    }
+}
 
 /// Messages claimed by this engine whose outcome has not reached the completer yet, by lease (id
 /// and token): a message whose lease was lost and that this engine claimed again is two entries,
@@ -189,6 +235,7 @@ impl Producer {
         let mut rechecked = false;
         let mut armed = false;
         let mut db_pause = Duration::from_millis(100);
+        let mut cursor = Cursor::new();
         loop {
             while tasks.try_join_next().is_some() {}
             self.observer.alive(self.sink.name());
@@ -227,7 +274,10 @@ impl Producer {
             // Drain mode ends only on an empty claim made after every outcome was written (an
             // outcome can make messages claimable: a retry due now, the next of an ordered key).
             let idle_before = self.idle(&tasks);
-            let got = match self.claim(want, chunk, &mut reserved, &mut tasks).await {
+            let got = match self
+                .claim(want, chunk, &mut reserved, &mut tasks, &mut cursor)
+                .await
+            {
                 Ok(got) => {
                     db_pause = Duration::from_millis(100);
                     got
@@ -321,6 +371,7 @@ impl Producer {
         chunk: usize,
         reserved: &mut OwnedSemaphorePermit,
         tasks: &mut JoinSet<()>,
+        cursor: &mut Cursor,
     ) -> crate::Result<usize> {
         let slot = if self.config.hold_limit.is_zero() {
             None
@@ -328,13 +379,17 @@ impl Producer {
             self.holds.clone().try_acquire_owned().ok()
         };
         if let Some(slot) = slot {
+            let in_flight = self.holds.available_permits() + 1 < MAX_HOLDS;
+            let after = cursor.positions(in_flight);
             let Some(hold) = self
                 .store
-                .take(want, self.config.hold_limit, &self.topics)
+                .take(want, self.config.hold_limit, &self.topics, after)
                 .await?
             else {
+                cursor.advance(&[], want);
                 return Ok(0);
             };
+            cursor.advance(&hold.messages, want);
             let got = hold.messages.len();
             self.observer.claimed(got);
             self.rate.add(got);

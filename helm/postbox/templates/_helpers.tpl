@@ -85,6 +85,7 @@ lease = {{ .Values.config.relay.lease | quote }}
 poll_interval = {{ .Values.config.relay.pollInterval | quote }}
 shutdown_deadline = {{ .Values.config.relay.shutdownDeadline | quote }}
 delivery_timeout = {{ .Values.config.relay.deliveryTimeout | quote }}
+hold_limit = {{ .Values.config.relay.holdLimit | quote }}
 {{- with .Values.config.relay.topicTimeouts }}
 {{- $first := true }}
 topic_timeouts = { {{- range $pattern, $timeout := . }}{{ if not $first }},{{ end }} {{ $pattern | quote }} = {{ $timeout | quote }}{{ $first = false }}{{- end }} }
