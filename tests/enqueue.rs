@@ -130,6 +130,39 @@ fn builder_fields_reach_the_row() {
     ));
     assert_eq!(ok, 1);
 
+    // The same through the many-rows statement (unnested arrays), next to a plain message.
+    let out = postbox::enqueue_many(
+        &mut conn,
+        &[
+            Message::new("invoice.due")
+                .payload(&serde_json::json!({"n": 5}))
+                .key("cust-1")
+                .ordered()
+                .header("trace", "abc")
+                .priority(-3)
+                .run_at(at)
+                .max_attempts(4)
+                .dedup_key("inv-6"),
+            Message::new("plain"),
+        ],
+    )
+    .unwrap();
+    let (full, plain) = (out[0].id().unwrap(), out[1].id().unwrap());
+    let ok = db.scalar(&format!(
+        "SELECT count(*) AS v FROM postbox.messages WHERE id = {full} AND topic = 'invoice.due'
+         AND key = 'cust-1' AND ordered AND payload = '{{\"n\": 5}}' AND headers = '{{\"trace\": \"abc\"}}'
+         AND priority = -3 AND abs(extract(epoch FROM run_at - '{}'::timestamptz)) < 0.001
+         AND max_attempts = 4 AND dedup_key = 'inv-6' AND state = 'waiting'",
+        at.to_rfc3339()
+    ));
+    assert_eq!(ok, 1, "behind the first message of its key");
+    let ok = db.scalar(&format!(
+        "SELECT count(*) AS v FROM postbox.messages WHERE id = {plain} AND key IS NULL AND NOT ordered
+         AND payload = '{{}}' AND headers = '{{}}' AND priority = 0 AND run_at <= now()
+         AND max_attempts = 25 AND dedup_key IS NULL AND state = 'available'"
+    ));
+    assert_eq!(ok, 1);
+
     let id = postbox::enqueue(
         &mut conn,
         &Message::new("later").delay(Duration::from_secs(3600)),

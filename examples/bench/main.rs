@@ -416,8 +416,7 @@ async fn fill_events(url: &str, n: usize) {
 /// Relays every message of topic `bench` to Kafka (batch 1000); msg/s.
 async fn kafka_relay(url: &str, brokers: &str, claimers: Option<usize>) -> f64 {
     let producer = postbox::sink::kafka::producer(brokers, &Default::default()).unwrap();
-    let sink =
-        postbox::sink::kafka::KafkaSink::new(producer, postbox::Topics::exact(["bench"]), None);
+    let sink = postbox::sink::kafka::KafkaSink::new(producer, postbox::Topics::all(), None);
     let engine = Engine::builder(url)
         .sink(sink)
         .config(EngineConfig {
@@ -584,6 +583,26 @@ async fn main() {
         println!("drain_vs_heldlock={:.2}", drain / held);
     }
 
+    if a.only.as_deref() == Some("enqueue") {
+        // enqueue_many alone: 1,000 messages a call, and all of them in one call.
+        let mut per_call = Vec::new();
+        let mut one_call = Vec::new();
+        for _ in 0..3 {
+            reset(&a.url);
+            per_call.push(enqueue_noop(&a.url, n).await);
+            reset(&a.url);
+            let mut conn = AsyncPgConnection::establish(&a.url).await.unwrap();
+            let msgs: Vec<Message> = (0..n).map(|_| Message::new("bench.noop")).collect();
+            let t = Instant::now();
+            postbox::enqueue_many_async(&mut conn, &msgs).await.unwrap();
+            one_call.push(n as f64 / t.elapsed().as_secs_f64());
+        }
+        println!("enqueue: {n} messages with enqueue_many, 1000 a call: {per_call:.0?} msg/s");
+        println!("enqueue: {n} messages with one enqueue_many call: {one_call:.0?} msg/s");
+        println!("enqueue_msgs_per_s={:.0}", median(&per_call));
+        println!("enqueue_one_call_msgs_per_s={:.0}", median(&one_call));
+        return;
+    }
     if a.only.as_deref() == Some("engine-drain") {
         // The engine's drain alone, three times (for profiling and quick comparisons).
         for _ in 0..3 {
