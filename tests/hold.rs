@@ -42,8 +42,8 @@ async fn a_hold_locks_its_batch_deletes_the_delivered_and_leases_the_rest() {
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.holds"), 1);
 
     let rest: Vec<_> = hold.messages[4..].iter().map(|m| m.lease()).collect();
-    let ended = store
-        .end_hold(hold, &held[..4], &held[4..], LEASE)
+    let (ended, _) = store
+        .end_hold(hold, &held[..4], &held[4..], LEASE, 0)
         .await
         .unwrap();
     assert_eq!((ended.deleted, ended.leased), (4, 2));
@@ -113,7 +113,7 @@ async fn holds_take_ordered_heads_only_and_their_delivery_promotes_the_next() {
         let got: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
         assert_eq!(got, [id]);
         store.register_hold(&hold).await.unwrap();
-        store.end_hold(hold, &[id], &[], LEASE).await.unwrap();
+        store.end_hold(hold, &[id], &[], LEASE, 0).await.unwrap();
     }
     assert!(store.take(10, HOLD, &topics, &[]).await.unwrap().is_none());
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
@@ -129,7 +129,7 @@ async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_t
     // Unregistered: its loss could not be counted, so it may not commit.
     let hold = store.take(1, HOLD, &topics, &[]).await.unwrap().unwrap();
     let id = hold.messages[0].id;
-    assert!(store.end_hold(hold, &[id], &[], LEASE).await.is_err());
+    assert!(store.end_hold(hold, &[id], &[], LEASE, 0).await.is_err());
     assert!(
         eventually(Duration::from_secs(10), || async {
             db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE state = 'available'") == 2
@@ -144,7 +144,7 @@ async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_t
     let ids: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
     tokio::time::sleep(Duration::from_millis(1_500)).await; // time passing, not a race
     store
-        .end_hold(hold, &[], &ids, Duration::from_secs(1))
+        .end_hold(hold, &[], &ids, Duration::from_secs(1), 0)
         .await
         .unwrap();
     assert_eq!(
@@ -184,4 +184,38 @@ async fn a_take_after_a_position_starts_there_on_one_topic_or_several() {
     let mut want: Vec<i64> = a.iter().chain(&b[3..]).copied().collect();
     want.sort_unstable();
     assert_eq!(got, want);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivered_head_hands_the_next_of_its_key_over_to_the_holder() {
+    let db = TestDb::migrated();
+    let ids = enqueue(
+        &db,
+        (0..3)
+            .map(|i| Message::new("o").key("k").ordered().payload(&i))
+            .collect(),
+    );
+    let store = db.store().await;
+    let hold = store
+        .take(10, HOLD, &Topics::exact(["o"]), &[])
+        .await
+        .unwrap()
+        .unwrap();
+    store.register_hold(&hold).await.unwrap();
+    let (_, next) = store
+        .end_hold(hold, &[ids[0]], &[], LEASE, 1)
+        .await
+        .unwrap();
+    // The next message of the key is leased to the holder (attempt counted), the third waits.
+    assert_eq!(next.iter().map(|m| m.id).collect::<Vec<_>>(), [ids[1]]);
+    assert_eq!(next[0].attempts, 1);
+    assert!(next[0].locked_until > chrono::Utc::now() + chrono::Duration::seconds(25));
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE state = 'waiting'"),
+        1
+    );
+    let leases: Vec<_> = next.iter().map(|m| m.lease()).collect();
+    let (done, after) = store.complete_and_take(&leases, 1, LEASE).await.unwrap();
+    assert!(done.fenced.is_empty());
+    assert_eq!(after.iter().map(|m| m.id).collect::<Vec<_>>(), [ids[2]]);
 }

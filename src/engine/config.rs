@@ -87,9 +87,10 @@ pub struct EngineConfig {
     /// Per-topic `delivery_timeout`s, `(pattern, timeout)` (`*` matches any run of characters);
     /// of the patterns that match a topic, the longest wins.
     pub topic_timeouts: Vec<(String, Duration)>,
-    /// Held batches, the claim's fast path: a batch is taken by locking its rows in a
-    /// transaction that stays open while it is delivered, and the delivered messages are deleted
-    /// in that transaction — no lease is written for them. When the hold ends, after its last
+    /// Held batches, the claim's fast path while there is a backlog (the previous claim came back
+    /// full): a batch is taken by locking its rows in a transaction that stays open while it is
+    /// delivered, and the delivered messages are deleted in that transaction — no lease is
+    /// written for them. When the hold ends, after its last
     /// outcome or at this limit, whatever is not delivered (a retry, a dead letter, a delivery
     /// still running) is leased and settled as a claimed message. The limit bounds how long a
     /// transaction stays open (the database's xmin horizon) and delays the settling of fast

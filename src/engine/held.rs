@@ -83,23 +83,38 @@ async fn end(
         .map(|s| s.lease.id)
         .chain(running.iter().map(|l| l.id))
         .collect();
+    // Delivered heads of ordered keys hand the next messages of their keys over to this engine,
+    // as the completer's settle does, while it has room for them.
+    let heads = done
+        .iter()
+        .filter(|s| s.ordered && matches!(s.kind, SettleKind::Complete))
+        .count();
+    let reserved = p.hand_over.reserve(heads);
+    let take = reserved.as_ref().map_or(0, |r| r.1);
     let ended = p
         .store
-        .end_hold(hold, &delivered, &rest, p.config.lease)
+        .end_hold(hold, &delivered, &rest, p.config.lease, take)
         .await;
     drop(slot);
     let sink = p.sink.name();
     let unwritten = &p.unwritten;
-    if let Err(e) = ended {
-        // Rolled back: every message of the hold is claimable again, delivered or not, and the
-        // rescuer counts the attempt (postbox.lost_holds).
-        tracing::warn!(error = %e, messages = n, "a held batch could not be settled; it was rolled back and will be delivered again");
-        p.observer.lease_lost(n);
-        unwritten.fetch_sub(done.len() + outcomes.len(), Ordering::AcqRel);
-        while rx.recv().await.is_some() {
-            unwritten.fetch_sub(1, Ordering::AcqRel);
+    let next = match ended {
+        Ok((_, next)) => next,
+        Err(e) => {
+            // Rolled back: every message of the hold is claimable again, delivered or not, and the
+            // rescuer counts the attempt (postbox.lost_holds).
+            tracing::warn!(error = %e, messages = n, "a held batch could not be settled; it was rolled back and will be delivered again");
+            p.observer.lease_lost(n);
+            unwritten.fetch_sub(done.len() + outcomes.len(), Ordering::AcqRel);
+            while rx.recv().await.is_some() {
+                unwritten.fetch_sub(1, Ordering::AcqRel);
+            }
+            return;
         }
-        return;
+    };
+    if let Some((permits, _)) = reserved {
+        p.observer.claimed(next.len());
+        p.hand_over.push(next, permits);
     }
     let now = Utc::now();
     for s in &done {

@@ -26,10 +26,13 @@ const DRAIN_POLL: Duration = Duration::from_millis(20);
 /// `Store::take`); this long after it last took from the front, it takes from the front again.
 const REWIND: Duration = Duration::from_millis(50);
 
-/// Where a claim loop's last take ended, per topic, while its holds are in flight.
+/// Where a claim loop's last take ended, per topic, while its holds are in flight; and whether
+/// its last claim was full (a backlog: holds pay off; a trickle of small claims leases, which costs
+/// one round trip and one commit less per claim).
 struct Cursor {
     after: Vec<(String, i16, i64)>,
     lap: Instant,
+    backlog: bool,
 }
 
 impl Cursor {
@@ -37,6 +40,8 @@ impl Cursor {
         Cursor {
             after: Vec::new(),
             lap: Instant::now(),
+            // A relay that starts meets a backlog more often than not; one short claim ends it.
+            backlog: true,
         }
     }
 
@@ -54,6 +59,7 @@ impl Cursor {
     /// After a take of `batch` out of `want`: a short take reached the end, the next starts
     /// from the front.
     fn advance(&mut self, batch: &[ClaimedMessage], want: usize) {
+        self.backlog = batch.len() >= want;
         if batch.len() < want {
             self.after.clear();
             return;
@@ -364,7 +370,8 @@ impl Producer {
     }
 
     /// Claims up to `want` messages and starts their deliveries: held (see
-    /// [`EngineConfig::hold_limit`]) while a hold slot is free, leased otherwise. Returns how many.
+    /// [`EngineConfig::hold_limit`]) while there is a backlog (the last claim was full) and a hold
+    /// slot is free, leased otherwise. Returns how many.
     async fn claim(
         self: &Arc<Self>,
         want: usize,
@@ -373,7 +380,7 @@ impl Producer {
         tasks: &mut JoinSet<()>,
         cursor: &mut Cursor,
     ) -> crate::Result<usize> {
-        let slot = if self.config.hold_limit.is_zero() {
+        let slot = if self.config.hold_limit.is_zero() || !cursor.backlog {
             None
         } else {
             self.holds.clone().try_acquire_owned().ok()
@@ -405,6 +412,7 @@ impl Producer {
             .claim(want, self.config.lease, &self.topics)
             .await?;
         let got = batch.len();
+        cursor.backlog = got >= want;
         self.observer.claimed(got);
         self.rate.add(got);
         if got > 0 {

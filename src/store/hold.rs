@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use diesel::QueryableByName;
-use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, SmallInt, Text};
+use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Nullable, SmallInt, Text};
 use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
@@ -52,16 +52,22 @@ const TAKE: &str = concat!(
 const REGISTER: &str =
     "INSERT INTO postbox.holds (xid, ids, held_by) VALUES ($1::text::xid8, $2, $3)";
 
-/// Ends a hold: deletes the delivered messages ($1; their ordered heads promote the next of their
-/// keys), leases the others ($2; $3 seconds, token $4, owner $5) and deletes the registration.
+/// Ends a hold: deletes the delivered messages ($1), leases the others ($2; $3 seconds, token $4,
+/// owner $5) and deletes the registration. Delivered heads of ordered keys hand the next message of
+/// their keys over to the caller, up to $6 of them (see `postbox.hand_over`; the lease is counted
+/// from now, not from the start of the hold). Rows: the messages handed over, then one summary row.
 const SETTLE: &str = r#"
 WITH gone AS (
     DELETE FROM postbox.messages m WHERE m.id = ANY($1::bigint[])
     RETURNING m.id, m.topic, m.key, m.ordered, m.state
 ),
 heads AS (
-    SELECT CASE WHEN count(*) > 0 THEN postbox.promote_after(array_agg(topic), array_agg(key), array_agg(id)) END AS promoted
+    SELECT array_agg(topic) AS topics, array_agg(key) AS keys, array_agg(id) AS ids
     FROM gone WHERE ordered AND state <> 'waiting'
+),
+handed AS (
+    SELECT h.* FROM heads, postbox.hand_over(heads.topics, heads.keys, heads.ids, $6,
+        $3 + extract(epoch FROM statement_timestamp() - now())::float8, $4, $5) AS h
 ),
 leased AS (
     UPDATE postbox.messages m
@@ -74,10 +80,14 @@ leased AS (
 unregistered AS (
     DELETE FROM postbox.holds WHERE xid = pg_current_xact_id() RETURNING xid
 )
-SELECT (SELECT count(*) FROM gone) AS deleted,
-       (SELECT count(*) FROM leased) AS leased,
-       (SELECT count(*) FROM unregistered) = 1 AS unregistered,
-       (SELECT promoted FROM heads) IS NOT NULL AS promoted
+SELECT NULL::bigint AS deleted, NULL::bigint AS leased, NULL::bool AS unregistered,
+       id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
+       created_at, locked_until, lease_token, last_error, dedup_key
+FROM handed
+UNION ALL
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM leased),
+       (SELECT count(*) FROM unregistered) = 1,
+       0, '', NULL, false, 'null', '{}', 0::smallint, now(), 0, 0, now(), now(), 0::bigint, NULL, NULL
 "#;
 
 #[derive(QueryableByName)]
@@ -126,17 +136,17 @@ pub struct HoldEnded {
     pub leased: usize,
 }
 
+/// A message handed over, or (the last row) the summary.
 #[derive(QueryableByName)]
 struct SettleRow {
-    #[diesel(sql_type = BigInt)]
-    deleted: i64,
-    #[diesel(sql_type = BigInt)]
-    leased: i64,
-    #[diesel(sql_type = Bool)]
-    unregistered: bool,
-    #[diesel(sql_type = Bool)]
-    #[allow(dead_code)]
-    promoted: bool,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    deleted: Option<i64>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    leased: Option<i64>,
+    #[diesel(sql_type = Nullable<Bool>)]
+    unregistered: Option<bool>,
+    #[diesel(embed)]
+    message: ClaimedMessage,
 }
 
 impl Store {
@@ -239,8 +249,10 @@ impl Store {
     }
 
     /// Ends `hold` and commits: `delivered` are deleted, `rest` are leased to the caller for
-    /// `lease` (token: the hold's, as its messages carry it), the registration goes. If this
-    /// fails, the transaction is rolled back: every message of the hold is claimable again, and
+    /// `lease` (token: the hold's, as its messages carry it), the registration goes. Delivered
+    /// heads of ordered keys hand up to `take` next messages of their keys over to the caller
+    /// (leased for `lease`, returned; see [`Store::complete_and_take`]). If this fails, the
+    /// transaction is rolled back: every message of the hold is claimable again, and
     /// [`Store::lost_holds`] counts the attempt.
     pub async fn end_hold(
         &self,
@@ -248,17 +260,29 @@ impl Store {
         delivered: &[MessageId],
         rest: &[MessageId],
         lease: Duration,
-    ) -> Result<HoldEnded> {
+        take: usize,
+    ) -> Result<(HoldEnded, Vec<ClaimedMessage>)> {
         let conn = &mut *hold.conn;
-        let row: SettleRow = diesel::sql_query(SETTLE)
+        let rows: Vec<SettleRow> = diesel::sql_query(SETTLE)
             .bind::<Array<BigInt>, _>(delivered)
             .bind::<Array<BigInt>, _>(rest)
             .bind::<Double, _>(lease.as_secs_f64())
             .bind::<BigInt, _>(hold.token)
             .bind::<Text, _>(&*self.owner)
-            .get_result(conn)
+            .bind::<Integer, _>(i32::try_from(take).unwrap_or(i32::MAX))
+            .load(conn)
             .await?;
-        if !row.unregistered {
+        let mut summary = (0, 0, false);
+        let mut handed = Vec::new();
+        for row in rows {
+            match (row.deleted, row.leased, row.unregistered) {
+                (Some(d), Some(l), Some(u)) => summary = (d, l, u),
+                _ => handed.push(row.message),
+            }
+        }
+        handed.sort_unstable_by_key(|m| (m.priority, m.id));
+        let (deleted, leased, unregistered) = summary;
+        if !unregistered {
             // Not registered (or registered twice): roll back rather than commit a hold whose
             // loss could not have been counted. Dropping the connection does it.
             return Err(Error::InvalidArgument {
@@ -267,10 +291,13 @@ impl Store {
             });
         }
         AnsiTransactionManager::commit_transaction(conn).await?;
-        Ok(HoldEnded {
-            deleted: row.deleted as usize,
-            leased: row.leased as usize,
-        })
+        Ok((
+            HoldEnded {
+                deleted: deleted as usize,
+                leased: leased as usize,
+            },
+            handed,
+        ))
     }
 
     /// Holds whose transaction ended without a commit (see the module): their messages that are
