@@ -70,6 +70,13 @@ fn args() -> Args {
             }
             "--database-url" => a.url = it.next().expect("--database-url URL"),
             "--only" => a.only = it.next(),
+            "--hold-limit" => {
+                let ms: u64 = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--hold-limit MS");
+                HOLD_LIMIT.set(Duration::from_millis(ms)).unwrap();
+            }
             "--kafka-brokers" => a.kafka = it.next(),
             "--claimers" => a.claimers = it.next().and_then(|v| v.parse().ok()),
             "--backlog-rows" => {
@@ -85,7 +92,7 @@ fn args() -> Args {
                     .expect("--status-rows N")
             }
             other => panic!(
-                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N]"
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
             ),
         }
     }
@@ -141,6 +148,13 @@ pub(crate) async fn enqueue_noop(url: &str, n: usize) -> f64 {
     rate
 }
 
+/// `--hold-limit MS` for every draining engine (0: the lease cycle alone, as before held batches).
+static HOLD_LIMIT: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+
+fn hold_limit() -> Duration {
+    *HOLD_LIMIT.get_or_init(|| EngineConfig::default().hold_limit)
+}
+
 pub(crate) async fn drain_engine(url: &str, n: usize, claimers: Option<usize>) -> f64 {
     let handlers = Handlers::new().on("bench.noop", |_: Job<serde_json::Value>| async { Ok(()) });
     let engine = Engine::builder(url)
@@ -150,6 +164,7 @@ pub(crate) async fn drain_engine(url: &str, n: usize, claimers: Option<usize>) -
             claimers: claimers.unwrap_or(EngineConfig::default().claimers),
             batch_size: 1000,
             drain: true,
+            hold_limit: hold_limit(),
             ..Default::default()
         })
         .build()
@@ -444,6 +459,7 @@ async fn embedded_events(url: &str, claimers: Option<usize>) -> f64 {
             claimers: claimers.unwrap_or(EngineConfig::default().claimers),
             batch_size: 1000,
             drain: true,
+            hold_limit: hold_limit(),
             ..Default::default()
         })
         .build()
