@@ -156,7 +156,12 @@ fn hold_limit() -> Duration {
 }
 
 pub(crate) async fn drain_engine(url: &str, n: usize, claimers: Option<usize>) -> f64 {
-    let handlers = Handlers::new().on("bench.noop", |_: Job<serde_json::Value>| async { Ok(()) });
+    drain_topic(url, "bench.noop", n, claimers).await
+}
+
+/// Drains `n` messages of `topic` with no-op handlers (batch 1000, 2000 at once); msg/s.
+async fn drain_topic(url: &str, topic: &str, n: usize, claimers: Option<usize>) -> f64 {
+    let handlers = Handlers::new().on(topic, |_: Job<serde_json::Value>| async { Ok(()) });
     let engine = Engine::builder(url)
         .handlers(handlers)
         .config(EngineConfig {
@@ -449,27 +454,6 @@ async fn kafka_relay(url: &str, brokers: &str, claimers: Option<usize>) -> f64 {
     report.delivered as f64 / t.elapsed().as_secs_f64()
 }
 
-/// The same messages to a no-op handler in the app (the embedded queue); msg/s.
-async fn embedded_events(url: &str, claimers: Option<usize>) -> f64 {
-    let handlers = Handlers::new().on("bench", |_: Job<serde_json::Value>| async { Ok(()) });
-    let engine = Engine::builder(url)
-        .handlers(handlers)
-        .config(EngineConfig {
-            concurrency: 2000,
-            claimers: claimers.unwrap_or(EngineConfig::default().claimers),
-            batch_size: 1000,
-            drain: true,
-            hold_limit: hold_limit(),
-            ..Default::default()
-        })
-        .build()
-        .await
-        .unwrap();
-    let t = Instant::now();
-    let report = engine.run(CancellationToken::new()).await.unwrap();
-    report.delivered as f64 / t.elapsed().as_secs_f64()
-}
-
 /// Kafka against the embedded queue on the same messages, alternating, and the broker's own
 /// ceiling.
 async fn kafka_bench(url: &str, brokers: &str, n: usize, claimers: Option<usize>) {
@@ -492,7 +476,8 @@ async fn kafka_bench(url: &str, brokers: &str, n: usize, claimers: Option<usize>
             if first {
                 kafka.push(kafka_relay(url, brokers, claimers).await);
             } else {
-                embedded.push(embedded_events(url, claimers).await);
+                // The same messages to a no-op handler in the app (the embedded queue).
+                embedded.push(drain_topic(url, "bench", n, claimers).await);
             }
         }
     }
