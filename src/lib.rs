@@ -58,7 +58,9 @@ pub use enqueue::{Enqueued, enqueue, enqueue_many};
 #[cfg(feature = "async")]
 pub use enqueue::{enqueue_async, enqueue_many_async};
 pub use error::{Error, InvalidMessage, Result};
-pub use message::{MAX_KEY_BYTES, MAX_PAYLOAD_BYTES, MAX_TOPIC_BYTES, Message, MessageId};
+pub use message::{
+    MAX_KEY_BYTES, MAX_PAYLOAD_BYTES, MAX_TOPIC_BYTES, Message, MessageId, RESERVED_HEADER_PREFIX,
+};
 #[cfg(feature = "async")]
 pub use store::migrate::migrate_async;
 pub use store::migrate::{MIGRATIONS, migrate};

@@ -16,6 +16,17 @@ pub const MAX_KEY_BYTES: usize = 1024;
 /// Larger documents belong in object storage, with a reference in the message.
 pub const MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 /// Attempts a message gets unless it says otherwise (the column default in the migration).
+/// Header names the relay sets on every Kafka record (`postbox-id`, ...): refused in a message's
+/// own headers, compared without regard to case as Kafka consumers often do.
+pub const RESERVED_HEADER_PREFIX: &str = "postbox-";
+
+/// True for a header name that starts with [`RESERVED_HEADER_PREFIX`], in any case.
+pub fn is_reserved_header(name: &str) -> bool {
+    name.len() >= RESERVED_HEADER_PREFIX.len()
+        && name.as_bytes()[..RESERVED_HEADER_PREFIX.len()]
+            .eq_ignore_ascii_case(RESERVED_HEADER_PREFIX.as_bytes())
+}
+
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 25;
 
 /// Identifier of a message: its `postbox.messages.id`, also its position in the queue.
@@ -176,7 +187,8 @@ impl Message {
         }
     }
 
-    /// Checks every field against the limits; `enqueue` calls this before any SQL.
+    /// Checks every field against the limits; `enqueue` calls this before any SQL. Header names
+    /// starting with [`RESERVED_HEADER_PREFIX`] are refused: the Kafka sink sets its own.
     pub fn validate(&self) -> Result<(), InvalidMessage> {
         if self.topic.contains('\0') {
             return Err(InvalidMessage::Nul { field: "topic" });
@@ -230,6 +242,13 @@ impl Message {
         }
         if let Err(e) = &self.headers {
             return Err(InvalidMessage::BadHeaders(e.clone()));
+        }
+        if let Ok(headers) = &self.headers {
+            if let Some(name) = headers.keys().find(|k| is_reserved_header(k)) {
+                return Err(InvalidMessage::BadHeaders(format!(
+                    "{name:?}: names starting with {RESERVED_HEADER_PREFIX:?} are the relay's own (postbox-id, postbox-topic, postbox-created-at)"
+                )));
+            }
         }
         match &self.payload {
             Err(e) => Err(InvalidMessage::PayloadNotJson(e.clone())),
@@ -301,6 +320,20 @@ mod tests {
             .validate()
             .unwrap_err();
         assert!(e.to_string().contains("\"b\""), "{e}");
+        for name in ["postbox-id", "Postbox-Topic", "POSTBOX-x"] {
+            let e = Message::new("t").header(name, "1").validate().unwrap_err();
+            assert!(
+                matches!(&e, InvalidMessage::BadHeaders(m) if m.contains(name)),
+                "{e}"
+            );
+        }
+        assert!(Message::new("t").header("postbox", "1").validate().is_ok());
+        assert!(
+            Message::new("t")
+                .header("x-postbox-id", "1")
+                .validate()
+                .is_ok()
+        );
         let big = "x".repeat(MAX_PAYLOAD_BYTES);
         assert!(matches!(
             Message::new("t").payload(&big).validate(),

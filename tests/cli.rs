@@ -168,6 +168,7 @@ fn messages_that_sql_cannot_store_are_refused_with_exit_2_and_nothing_written() 
     for (args, field) in [
         (["--payload", "1", "--delay", "100000000d"], "delay"),
         (["--payload", r#""a\u0000b""#, "--key", "k"], "payload"),
+        (["--payload", "1", "--header", "postbox-id=7"], "postbox-id"),
     ] {
         let mut cmd = vec!["--database-url", &db.url, "enqueue", "--topic", "t"];
         cmd.extend(args);

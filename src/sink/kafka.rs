@@ -200,7 +200,12 @@ fn headers(m: &ClaimedMessage) -> OwnedHeaders {
     let id = m.id.to_string();
     let created = m.created_at.to_rfc3339();
     let mut h = OwnedHeaders::new_with_capacity(m.headers.len() + 3);
-    for (k, v) in &m.headers {
+    // The relay's own names win over any that came in by plain SQL (enqueue refuses them).
+    for (k, v) in m
+        .headers
+        .iter()
+        .filter(|(k, _)| !crate::message::is_reserved_header(k))
+    {
         h = h.insert(Header {
             key: k,
             value: Some(v.as_bytes()),
@@ -329,6 +334,50 @@ impl Sink for KafkaSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_relays_own_headers_win_over_reserved_names_inserted_by_plain_sql() {
+        use rdkafka::message::Headers;
+        let now = chrono::Utc::now();
+        let m = ClaimedMessage {
+            id: 42,
+            topic: "t".into(),
+            key: None,
+            ordered: false,
+            payload: serde_json::Value::Null,
+            headers: [("POSTBOX-ID", "999"), ("postbox-id", "998"), ("trace", "x")]
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
+            priority: 0,
+            run_at: now,
+            attempts: 1,
+            max_attempts: 25,
+            created_at: now,
+            locked_until: now,
+            lease_token: 1,
+            last_error: None,
+            dedup_key: None,
+        };
+        let h = headers(&m);
+        let all: Vec<(String, String)> = h
+            .iter()
+            .map(|h| {
+                let v = String::from_utf8(h.value.unwrap_or_default().to_vec()).unwrap();
+                (h.key.to_owned(), v)
+            })
+            .collect();
+        let ids: Vec<&(String, String)> = all
+            .iter()
+            .filter(|(k, _)| k.eq_ignore_ascii_case("postbox-id"))
+            .collect();
+        assert_eq!(
+            ids,
+            [&("postbox-id".to_owned(), "42".to_owned())],
+            "{all:?}"
+        );
+        assert!(all.contains(&("trace".to_owned(), "x".to_owned())));
+    }
 
     #[test]
     fn errors_about_the_route_pause_it_and_errors_about_a_message_dead_letter_it() {
