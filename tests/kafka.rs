@@ -192,6 +192,36 @@ impl Drop for Broker {
     }
 }
 
+/// The partition the Java client (Kafka Connect, Debezium, Java producers) gives a key: Kafka's
+/// murmur2, made positive, modulo the partitions.
+fn java_partition(key: &[u8], partitions: u32) -> i32 {
+    const M: u32 = 0x5bd1_e995;
+    let mut h: u32 = 0x9747_b28c ^ key.len() as u32;
+    let mut chunks = key.chunks_exact(4);
+    for c in &mut chunks {
+        let mut k = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        k = k.wrapping_mul(M);
+        k ^= k >> 24;
+        k = k.wrapping_mul(M);
+        h = h.wrapping_mul(M) ^ k;
+    }
+    let rest = chunks.remainder();
+    if rest.len() >= 3 {
+        h ^= u32::from(rest[2]) << 16;
+    }
+    if rest.len() >= 2 {
+        h ^= u32::from(rest[1]) << 8;
+    }
+    if !rest.is_empty() {
+        h ^= u32::from(rest[0]);
+        h = h.wrapping_mul(M);
+    }
+    h ^= h >> 13;
+    h = h.wrapping_mul(M);
+    h ^= h >> 15;
+    ((h & 0x7fff_ffff) % partitions) as i32
+}
+
 #[derive(Debug, Clone)]
 struct Consumed {
     key: Option<String>,
@@ -354,6 +384,11 @@ async fn every_message_reaches_kafka_with_headers_and_ordered_keys_in_order_acro
         assert!(
             seq.windows(2).all(|w| w[0].partition == w[1].partition),
             "{key} spread over partitions"
+        );
+        assert_eq!(
+            seq[0].partition,
+            java_partition(key.as_bytes(), 3),
+            "{key} is not where the Java client puts it"
         );
         seq.sort_by_key(|m| m.offset);
         let ns: Vec<i64> = seq

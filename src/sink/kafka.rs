@@ -3,7 +3,8 @@
 //!
 //! Message key = postbox key; value = the payload's JSON; headers = the postbox headers plus
 //! `postbox-id`, `postbox-topic` and `postbox-created-at`. Producer defaults: idempotence on,
-//! `acks=all`, `message.timeout.ms=10000` (an outage is noticed in seconds, well inside the lease);
+//! `acks=all`, `message.timeout.ms=10000` (an outage is noticed in seconds, well inside the lease),
+//! the Java client's `murmur2_random` partitioner;
 //! every librdkafka property can be set from the configuration.
 //!
 //! Outcomes: delivered; a permanent per-message error (message too large, invalid or unknown
@@ -29,12 +30,15 @@ use super::{Outcome, Sink, Unavailable};
 type QuietProducer = FutureProducer<QuietContext>;
 use crate::store::{ClaimedMessage, Topics};
 
-/// Properties the sink sets unless the configuration says otherwise.
-pub const PRODUCER_DEFAULTS: [(&str, &str); 4] = [
+/// Properties the sink sets unless the configuration says otherwise. `murmur2_random` is the Java
+/// client's partitioner: a key lands on the partition where Kafka Connect, Debezium and Java
+/// producers put it (librdkafka's own default hashes keys with CRC32).
+pub const PRODUCER_DEFAULTS: [(&str, &str); 5] = [
     ("enable.idempotence", "true"),
     ("acks", "all"),
     ("message.timeout.ms", "10000"),
     ("linger.ms", "5"),
+    ("partitioner", "murmur2_random"),
 ];
 
 /// One producer, shared by every Kafka route, made anew if librdkafka reports it fatally broken
