@@ -27,7 +27,11 @@ pub(crate) const SQL_MIGRATIONS: &[(&str, &str)] = &[
     ),
     (
         "20261201000003",
-        include_str!("../../migrations/2026-12-01-000003_held_batches/up.sql"),
+        include_str!("../../migrations/2026-12-01-000003_hand_over_settle/up.sql"),
+    ),
+    (
+        "20261201000004",
+        include_str!("../../migrations/2026-12-01-000004_held_batches/up.sql"),
     ),
 ];
 
