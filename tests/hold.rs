@@ -23,7 +23,7 @@ async fn a_hold_locks_its_batch_deletes_the_delivered_and_leases_the_rest() {
     let store = db.store().await;
     let topics = Topics::exact(["t"]);
 
-    let hold = store.take(6, HOLD, &topics, &[]).await.unwrap().unwrap();
+    let hold = store.take(6, HOLD, &topics, &[], 0).await.unwrap().unwrap();
     store.register_hold(&hold).await.unwrap();
     let held: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
     assert_eq!(held, ids[..6]);
@@ -36,7 +36,13 @@ async fn a_hold_locks_its_batch_deletes_the_delivered_and_leases_the_rest() {
     let other = store.claim(100, LEASE, &topics).await.unwrap();
     let other_ids: Vec<i64> = other.iter().map(|m| m.id).collect();
     assert_eq!(other_ids, ids[6..]);
-    assert!(store.take(100, HOLD, &topics, &[]).await.unwrap().is_none());
+    assert!(
+        store
+            .take(100, HOLD, &topics, &[], 0)
+            .await
+            .unwrap()
+            .is_none()
+    );
     // A hold in progress is not lost.
     assert_eq!(store.lost_holds().await.unwrap(), 0);
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.holds"), 1);
@@ -69,7 +75,11 @@ async fn a_hold_that_never_commits_uses_its_attempt_until_the_message_is_dead_le
     let store = db.store().await;
     let topics = Topics::exact(["t"]);
     for attempt in 1..=2 {
-        let hold = store.take(10, HOLD, &topics, &[]).await.unwrap().unwrap();
+        let hold = store
+            .take(10, HOLD, &topics, &[], 0)
+            .await
+            .unwrap()
+            .unwrap();
         store.register_hold(&hold).await.unwrap();
         assert_eq!(hold.messages[0].attempts, attempt);
         // The relay dies mid-delivery: its connection goes, the transaction rolls back.
@@ -109,13 +119,23 @@ async fn holds_take_ordered_heads_only_and_their_delivery_promotes_the_next() {
     let store = db.store().await;
     let topics = Topics::exact(["o"]);
     for id in ids {
-        let hold = store.take(10, HOLD, &topics, &[]).await.unwrap().unwrap();
+        let hold = store
+            .take(10, HOLD, &topics, &[], 0)
+            .await
+            .unwrap()
+            .unwrap();
         let got: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
         assert_eq!(got, [id]);
         store.register_hold(&hold).await.unwrap();
         store.end_hold(hold, &[id], &[], LEASE, 0).await.unwrap();
     }
-    assert!(store.take(10, HOLD, &topics, &[]).await.unwrap().is_none());
+    assert!(
+        store
+            .take(10, HOLD, &topics, &[], 0)
+            .await
+            .unwrap()
+            .is_none()
+    );
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
 }
 
@@ -127,7 +147,7 @@ async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_t
     let topics = Topics::exact(["t"]);
 
     // Unregistered: its loss could not be counted, so it may not commit.
-    let hold = store.take(1, HOLD, &topics, &[]).await.unwrap().unwrap();
+    let hold = store.take(1, HOLD, &topics, &[], 0).await.unwrap().unwrap();
     let id = hold.messages[0].id;
     assert!(store.end_hold(hold, &[id], &[], LEASE, 0).await.is_err());
     assert!(
@@ -139,7 +159,7 @@ async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_t
     );
 
     // A hold that ends later than its start leases for the full lease from its end.
-    let hold = store.take(2, HOLD, &topics, &[]).await.unwrap().unwrap();
+    let hold = store.take(2, HOLD, &topics, &[], 0).await.unwrap().unwrap();
     store.register_hold(&hold).await.unwrap();
     let ids: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
     tokio::time::sleep(Duration::from_millis(1_500)).await; // time passing, not a race
@@ -164,7 +184,7 @@ async fn a_take_after_a_position_starts_there_on_one_topic_or_several() {
     // One topic (the inline statement).
     let after = [("a".to_owned(), 0i16, a[1])];
     let hold = store
-        .take(10, HOLD, &Topics::exact(["a"]), &after)
+        .take(10, HOLD, &Topics::exact(["a"]), &after, 0)
         .await
         .unwrap()
         .unwrap();
@@ -175,7 +195,7 @@ async fn a_take_after_a_position_starts_there_on_one_topic_or_several() {
     // the second pass of a topic continues after its first (no row twice).
     let after = [("b".to_owned(), 0i16, b[2])];
     let hold = store
-        .take(10, HOLD, &Topics::exact(["a", "b"]), &after)
+        .take(10, HOLD, &Topics::exact(["a", "b"]), &after, 0)
         .await
         .unwrap()
         .unwrap();
@@ -197,7 +217,7 @@ async fn a_delivered_head_hands_the_next_of_its_key_over_to_the_holder() {
     );
     let store = db.store().await;
     let hold = store
-        .take(10, HOLD, &Topics::exact(["o"]), &[])
+        .take(10, HOLD, &Topics::exact(["o"]), &[], 0)
         .await
         .unwrap()
         .unwrap();
@@ -218,4 +238,90 @@ async fn a_delivered_head_hands_the_next_of_its_key_over_to_the_holder() {
     let (done, after) = store.complete_and_take(&leases, 1, LEASE).await.unwrap();
     assert!(done.fenced.is_empty());
     assert_eq!(after.iter().map(|m| m.id).collect::<Vec<_>>(), [ids[2]]);
+}
+
+/// The state of message `id`, or "gone".
+fn state(db: &TestDb, id: i64) -> String {
+    use diesel::RunQueryDsl;
+    #[derive(diesel::QueryableByName)]
+    struct S {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        s: String,
+    }
+    let r: Vec<S> = diesel::sql_query(format!(
+        "SELECT state::text AS s FROM postbox.messages WHERE id = {id}"
+    ))
+    .load(&mut db.conn())
+    .unwrap();
+    r.into_iter().next().map_or("gone".to_owned(), |r| r.s)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_takes_the_messages_behind_its_ordered_heads_in_order_and_settles_each_key() {
+    let db = TestDb::migrated();
+    let o = |k: &str| Message::new("o").key(k).ordered();
+    let a = enqueue(&db, (0..5).map(|_| o("a")).collect());
+    let b = enqueue(&db, (0..3).map(|_| o("b")).collect());
+    // The second message of c is not due: its chain stops before it.
+    let c = enqueue(
+        &db,
+        vec![o("c"), o("c").delay(Duration::from_secs(3600)), o("c")],
+    );
+    // The second message of d is locked by another transaction: its chain stops before it, and
+    // nothing behind it is taken.
+    let d = enqueue(&db, (0..3).map(|_| o("d")).collect());
+    let u = enqueue(&db, vec![Message::new("o")]);
+    let mut locker = db.conn();
+    {
+        use diesel::{Connection, RunQueryDsl};
+        locker.begin_test_transaction().unwrap();
+        diesel::sql_query(format!(
+            "SELECT id FROM postbox.messages WHERE id = {} FOR UPDATE",
+            d[1]
+        ))
+        .execute(&mut locker)
+        .unwrap();
+    }
+    let store = db.store().await;
+    let topics = Topics::exact(["o"]);
+
+    // Four ordered heads share 8 followers: two each, at most.
+    let hold = store
+        .take(10, HOLD, &topics, &[], 8)
+        .await
+        .unwrap()
+        .unwrap();
+    let ids = |ms: &[postbox::store::ClaimedMessage]| ms.iter().map(|m| m.id).collect::<Vec<_>>();
+    assert_eq!(ids(&hold.messages), [a[0], b[0], c[0], d[0], u[0]]);
+    assert_eq!(ids(&hold.followers), [a[1], a[2], b[1], b[2]]);
+    assert!(hold.followers.iter().all(|m| m.attempts == 1 && m.ordered));
+    store.register_hold(&hold).await.unwrap();
+    // The followers stay waiting; nothing else can take them or their heads meanwhile.
+    assert_eq!(state(&db, a[1]), "waiting");
+    assert!(
+        store
+            .take(10, HOLD, &topics, &[], 8)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    drop(locker);
+
+    // a: its head and first follower delivered, the second not started: it becomes the head.
+    // b: its head delivered, its first follower failed (leased for its retry), the last untouched.
+    // c, d: heads delivered; the next due message of each becomes the head, or is scheduled.
+    let delivered = [a[0], a[1], b[0], c[0], d[0], u[0]];
+    let (ended, _) = store
+        .end_hold(hold, &delivered, &[b[1]], LEASE, 0)
+        .await
+        .unwrap();
+    assert_eq!((ended.deleted, ended.leased), (6, 1));
+    let states = |ids: &[i64]| ids.iter().map(|&i| state(&db, i)).collect::<Vec<_>>();
+    assert_eq!(
+        states(&a),
+        ["gone", "gone", "available", "waiting", "waiting"]
+    );
+    assert_eq!(states(&b), ["gone", "running", "waiting"]);
+    assert_eq!(states(&c), ["gone", "scheduled", "waiting"]);
+    assert_eq!(states(&d), ["gone", "available", "waiting"]);
 }

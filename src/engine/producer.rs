@@ -390,7 +390,7 @@ impl Producer {
             let after = cursor.positions(in_flight);
             let Some(hold) = self
                 .store
-                .take(want, self.config.hold_limit, &self.topics, after)
+                .take(want, self.config.hold_limit, &self.topics, after, 0)
                 .await?
             else {
                 cursor.advance(&[], want);

@@ -19,10 +19,16 @@ use crate::message::MessageId;
 /// lease will carry if it is leased when the hold ends, and the holding transaction.
 macro_rules! take_columns {
     () => {
-        "SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts + 1 AS attempts,
+        take_columns!("")
+    };
+    ($extra:literal) => {
+        concat!(
+            "SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts + 1 AS attempts,
        max_attempts, created_at, now() + make_interval(secs => $1) AS locked_until,
-       $2::bigint AS lease_token, last_error, dedup_key, pg_current_xact_id()::text AS xid
-FROM "
+       $2::bigint AS lease_token, last_error, dedup_key, pg_current_xact_id()::text AS xid",
+            $extra,
+            "\nFROM "
+        )
     };
 }
 
@@ -49,13 +55,41 @@ const TAKE: &str = concat!(
     "postbox.take($3, $4, $5, $6, $7, $8, $9, $10, $11)"
 );
 
+/// The messages behind ordered heads that a hold takes with them (see [`Store::take`]): for each
+/// head ($3 topics, $4 keys, $5 ids) the next $6 waiting messages of its key, as far as they are
+/// due; the rows not locked by another transaction are locked (`chain`: the head's place in the
+/// arrays, from 1; `place`: the follower's place behind it, from 1). A chain is cut at its first
+/// follower that is missing from the result.
+const FOLLOWERS: &str = concat!(
+    "WITH cand AS (
+    SELECT w.id, h.n AS chain, row_number() OVER (PARTITION BY h.n ORDER BY w.id) AS place,
+           bool_and(w.due) OVER (PARTITION BY h.n ORDER BY w.id) AS due
+    FROM unnest($3::text[], $4::text[], $5::bigint[]) WITH ORDINALITY AS h(topic, key, head, n),
+    LATERAL (SELECT w.id, w.run_at <= now() AS due FROM postbox.messages w
+             WHERE w.state = 'waiting' AND w.topic = h.topic AND w.key = h.key AND w.id > h.head
+             ORDER BY w.id LIMIT $6) w
+),
+locked AS (
+    SELECT m.* FROM postbox.messages m
+    WHERE m.id = ANY(ARRAY(SELECT id FROM cand WHERE due)) AND m.state = 'waiting'
+    FOR UPDATE SKIP LOCKED
+)
+",
+    take_columns!(", cand.chain, cand.place"),
+    "locked JOIN cand USING (id)"
+);
+
+/// The most messages a hold takes behind one ordered head.
+const MAX_FOLLOWERS: usize = 64;
+
 const REGISTER: &str =
     "INSERT INTO postbox.holds (xid, ids, held_by) VALUES ($1::text::xid8, $2, $3)";
 
 /// Ends a hold: deletes the delivered messages ($1), leases the others ($2; $3 seconds, token $4,
-/// owner $5) and deletes the registration. Delivered heads of ordered keys hand the next message of
-/// their keys over to the caller, up to $6 of them (see `postbox.hand_over`; the lease is counted
-/// from now, not from the start of the hold). Rows: the messages handed over, then one summary row.
+/// owner $5) and deletes the registration. The ordered keys whose last delivered message is in $7
+/// (none of their messages leased: no head left in the hold) hand the next message over to the
+/// caller, up to $6 of them, or promote it (see `postbox.hand_over`; the lease is counted from now,
+/// not from the start of the hold). Rows: the messages handed over, then one summary row.
 const SETTLE: &str = r#"
 WITH gone AS (
     DELETE FROM postbox.messages m WHERE m.id = ANY($1::bigint[])
@@ -63,7 +97,7 @@ WITH gone AS (
 ),
 heads AS (
     SELECT array_agg(topic) AS topics, array_agg(key) AS keys, array_agg(id) AS ids
-    FROM gone WHERE ordered AND state <> 'waiting'
+    FROM gone WHERE id = ANY($7::bigint[])
 ),
 handed AS (
     SELECT h.* FROM heads, postbox.hand_over(heads.topics, heads.keys, heads.ids, $6,
@@ -98,6 +132,16 @@ struct HeldRow {
     xid: String,
 }
 
+#[derive(QueryableByName)]
+struct FollowerRow {
+    #[diesel(embed)]
+    message: ClaimedMessage,
+    #[diesel(sql_type = BigInt)]
+    chain: i64,
+    #[diesel(sql_type = BigInt)]
+    place: i64,
+}
+
 /// A batch held by a transaction that is open on `conn`. Dropping it without [`Store::end_hold`]
 /// drops the connection (the pool discards a connection left in a transaction): the transaction
 /// rolls back and the lost hold is counted by [`Store::lost_holds`].
@@ -106,9 +150,15 @@ pub struct Hold {
     xid: String,
     token: i64,
     ids: Vec<MessageId>,
+    /// The ordered messages held (heads and followers): id, topic, key.
+    keys: Vec<(MessageId, String, String)>,
     /// The messages, in (priority, id) order. `attempts` is the attempt this delivery is;
     /// `lease_token` the token of the lease they get if they are still unsettled when the hold ends.
     pub messages: Vec<ClaimedMessage>,
+    /// The messages taken behind the ordered heads among `messages` (still waiting, locked by the
+    /// hold): by key in the order of their heads, each key's in id order. One may be delivered
+    /// only once the message before it in its key was delivered.
+    pub followers: Vec<ClaimedMessage>,
 }
 
 impl std::fmt::Debug for Hold {
@@ -161,12 +211,19 @@ impl Store {
     /// row. A relay whose holds are in flight passes where its last take ended, so that its take
     /// does not pay a lock check for each row its own holds have locked (and goes back to the
     /// front every few tens of milliseconds for rows that became available behind it).
+    ///
+    /// Up to `followers` messages in all are taken behind the ordered heads of the batch, shared
+    /// between them (at least one each, at most 64): the next messages of each head's key, in
+    /// order, as far as they are due and not locked by another transaction
+    /// ([`Hold::followers`]). A key's messages are then delivered one after the other within the
+    /// hold, each one's row locked and deleted like the head's: no promotion between them.
     pub async fn take(
         &self,
         batch: usize,
         limit: Duration,
         topics: &Topics,
         after: &[(String, i16, i64)],
+        followers: usize,
     ) -> Result<Option<Hold>> {
         if batch == 0 || topics.is_empty() {
             return Ok(None);
@@ -226,12 +283,42 @@ impl Store {
         };
         let mut messages: Vec<ClaimedMessage> = rows.into_iter().map(|r| r.message).collect();
         messages.sort_unstable_by_key(|m| (m.priority, m.id));
+        let heads: Vec<&ClaimedMessage> = messages
+            .iter()
+            .filter(|m| m.ordered && m.key.is_some())
+            .collect();
+        let followers = if followers == 0 || heads.is_empty() {
+            Vec::new()
+        } else {
+            let each = (followers / heads.len()).clamp(1, MAX_FOLLOWERS);
+            let topics: Vec<&str> = heads.iter().map(|m| m.topic.as_str()).collect();
+            let keys: Vec<&str> = heads.iter().filter_map(|m| m.key.as_deref()).collect();
+            let ids: Vec<i64> = heads.iter().map(|m| m.id).collect();
+            let rows: Vec<FollowerRow> = diesel::sql_query(FOLLOWERS)
+                .bind::<Double, _>(limit.as_secs_f64())
+                .bind::<BigInt, _>(token)
+                .bind::<Array<Text>, _>(&topics)
+                .bind::<Array<Text>, _>(&keys)
+                .bind::<Array<BigInt>, _>(&ids)
+                .bind::<Integer, _>(i32::try_from(each).unwrap_or(i32::MAX))
+                .load(&mut *conn)
+                .await?;
+            chains(rows)
+        };
+        let keys = messages
+            .iter()
+            .chain(&followers)
+            .filter(|m| m.ordered)
+            .filter_map(|m| Some((m.id, m.topic.clone(), m.key.clone()?)))
+            .collect();
         Ok(Some(Hold {
             conn,
             xid,
             token,
-            ids: messages.iter().map(|m| m.id).collect(),
+            ids: messages.iter().chain(&followers).map(|m| m.id).collect(),
+            keys,
             messages,
+            followers,
         }))
     }
 
@@ -262,6 +349,7 @@ impl Store {
         lease: Duration,
         take: usize,
     ) -> Result<(HoldEnded, Vec<ClaimedMessage>)> {
+        let after = last_delivered(&hold.keys, delivered, rest);
         let conn = &mut *hold.conn;
         let rows: Vec<SettleRow> = diesel::sql_query(SETTLE)
             .bind::<Array<BigInt>, _>(delivered)
@@ -270,6 +358,7 @@ impl Store {
             .bind::<BigInt, _>(hold.token)
             .bind::<Text, _>(&*self.owner)
             .bind::<Integer, _>(i32::try_from(take).unwrap_or(i32::MAX))
+            .bind::<Array<BigInt>, _>(&after)
             .load(conn)
             .await?;
         let mut summary = (0, 0, false);
@@ -316,4 +405,49 @@ impl Store {
             .await?;
         Ok(r.n as usize)
     }
+}
+
+/// The followers of each chain up to its first gap (a follower not due, or locked elsewhere), in
+/// the order of the chains.
+fn chains(mut rows: Vec<FollowerRow>) -> Vec<ClaimedMessage> {
+    rows.sort_unstable_by_key(|r| (r.chain, r.place));
+    let mut out = Vec::with_capacity(rows.len());
+    let mut chain = (0, 0);
+    for r in rows {
+        if r.chain != chain.0 {
+            chain = (r.chain, 0);
+        }
+        if r.place == chain.1 + 1 {
+            chain.1 = r.place;
+            out.push(r.message);
+        }
+    }
+    out
+}
+
+/// For each ordered key of a hold with messages in `delivered` and none in `rest` (its head is no
+/// longer in the hold), the last of its delivered messages: the next message of the key goes
+/// after it.
+fn last_delivered(
+    keys: &[(MessageId, String, String)],
+    delivered: &[MessageId],
+    rest: &[MessageId],
+) -> Vec<MessageId> {
+    use std::collections::{HashMap, HashSet};
+    let delivered: HashSet<MessageId> = delivered.iter().copied().collect();
+    let rest: HashSet<MessageId> = rest.iter().copied().collect();
+    // Per key: the last delivered id, and whether one of its messages is leased.
+    let mut by_key: HashMap<(&str, &str), (Option<MessageId>, bool)> = HashMap::new();
+    for (id, topic, key) in keys {
+        let e = by_key.entry((topic, key)).or_default();
+        if delivered.contains(id) {
+            e.0 = e.0.max(Some(*id));
+        }
+        e.1 |= rest.contains(id);
+    }
+    by_key
+        .into_values()
+        .filter(|(_, leased)| !leased)
+        .filter_map(|(last, _)| last)
+        .collect()
 }
