@@ -648,6 +648,95 @@ async fn drain_mode_delivers_every_message_of_ordered_keys_before_it_stops() {
     }
 }
 
+/// Two engines drain ordered keys whose messages sometimes fail their first attempt: held batches
+/// take the messages behind their heads and deliver them one after the other. No attempt of a
+/// message starts before the message before it in its key was delivered, and each is delivered
+/// exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_holding_ordered_keys_deliver_each_key_in_order_through_failures() {
+    const KEYS: i64 = 10;
+    const PER_KEY: i64 = 150;
+    let db = TestDb::migrated();
+    let msgs: Vec<Message> = (0..KEYS * PER_KEY)
+        .map(|i| {
+            Message::new("t")
+                .key(format!("k{}", i % KEYS))
+                .ordered()
+                .payload(&i)
+        })
+        .collect();
+    enqueue(&db, msgs);
+    // Every attempt, per key, in the order the handlers started them: (payload, delivered).
+    let log: Arc<Mutex<HashMap<String, Vec<(i64, bool)>>>> = Default::default();
+    let engine = |log: Arc<Mutex<HashMap<String, Vec<(i64, bool)>>>>| {
+        let handlers = Handlers::new().on("t", move |job: Job<i64>| {
+            let log = log.clone();
+            async move {
+                let ok = job.attempt > 1 || job.payload % 7 != 3;
+                let key = job.key.clone().unwrap_or_default();
+                log.lock()
+                    .unwrap()
+                    .entry(key)
+                    .or_default()
+                    .push((job.payload, ok));
+                if ok {
+                    Ok(())
+                } else {
+                    Err(HandlerError::retry_after(
+                        "first attempts of some fail",
+                        Duration::ZERO,
+                    ))
+                }
+            }
+        });
+        Engine::builder(db.url.clone())
+            .handlers(handlers)
+            .batch_size(40)
+            .drain(true)
+            .build()
+    };
+    let (a, b) = (
+        engine(log.clone()).await.unwrap(),
+        engine(log.clone()).await.unwrap(),
+    );
+    let (ra, rb) = tokio::join!(
+        a.run(CancellationToken::new()),
+        b.run(CancellationToken::new())
+    );
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert_eq!(
+        ra.delivered + rb.delivered,
+        (KEYS * PER_KEY) as u64,
+        "{ra:?} {rb:?}"
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
+        })
+        .await
+    );
+    let log = log.lock().unwrap();
+    assert_eq!(log.len(), KEYS as usize);
+    for (key, attempts) in log.iter() {
+        let k: i64 = key[1..].parse().unwrap();
+        let mut next = k; // the payload whose turn it is
+        for &(payload, ok) in attempts {
+            assert_eq!(
+                payload, next,
+                "{key}: attempt of {payload} while {next} was not delivered"
+            );
+            if ok {
+                next += KEYS;
+            }
+        }
+        assert_eq!(
+            next,
+            k + KEYS * PER_KEY,
+            "{key}: not every message was delivered"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scheduler_knows_when_the_next_message_is_due_and_when_none_is() {
     let db = TestDb::migrated();

@@ -22,6 +22,11 @@ use crate::store::{ClaimedMessage, Lease, Store, Topics};
 /// In drain mode, the longest wait for the completer before claiming again.
 const DRAIN_POLL: Duration = Duration::from_millis(20);
 
+/// A hold takes up to this many messages per message of its batch behind its ordered heads (see
+/// `Store::take`): a key being drained is delivered by holds, one message after the other, without
+/// a promotion and a claim between them.
+const FOLLOWERS_PER_MESSAGE: usize = 16;
+
 /// While its holds are in flight, a claim loop takes after the last row it took (see
 /// `Store::take`); this long after it last took from the front, it takes from the front again.
 const REWIND: Duration = Duration::from_millis(50);
@@ -33,6 +38,8 @@ struct Cursor {
     after: Vec<(String, i16, i64)>,
     lap: Instant,
     backlog: bool,
+    /// The last take came with messages behind its ordered heads.
+    chained: bool,
 }
 
 impl Cursor {
@@ -42,6 +49,7 @@ impl Cursor {
             lap: Instant::now(),
             // A relay that starts meets a backlog more often than not; one short claim ends it.
             backlog: true,
+            chained: false,
         }
     }
 
@@ -309,7 +317,7 @@ impl Producer {
             }
             drop(reserved);
             if got > 0 {
-                if got == want {
+                if cursor.backlog {
                     // There may be more right now: bring any sleeping claim loop in too.
                     self.wake.notify_waiters();
                     continue;
@@ -386,17 +394,38 @@ impl Producer {
             self.holds.clone().try_acquire_owned().ok()
         };
         if let Some(slot) = slot {
+            // Ordered keys being drained: a hold's keys are claimable again only once it ends, so
+            // smaller holds, several at once, keep deliveries going while one ends.
+            let want = if cursor.chained {
+                want.div_ceil(MAX_HOLDS)
+            } else {
+                want
+            };
             let in_flight = self.holds.available_permits() + 1 < MAX_HOLDS;
             let after = cursor.positions(in_flight);
             let Some(hold) = self
                 .store
-                .take(want, self.config.hold_limit, &self.topics, after, 0)
+                .take(
+                    want,
+                    self.config.hold_limit,
+                    &self.topics,
+                    after,
+                    want * FOLLOWERS_PER_MESSAGE,
+                )
                 .await?
             else {
+                // Nothing claimable besides what its holds in flight have: still a backlog if it
+                // was one, as the next rows become claimable when those end.
+                let backlog = cursor.backlog;
                 cursor.advance(&[], want);
+                cursor.backlog = backlog && in_flight;
                 return Ok(0);
             };
             cursor.advance(&hold.messages, want);
+            cursor.chained = !hold.followers.is_empty();
+            // Ordered keys with more waiting behind what was taken are a backlog too.
+            cursor.backlog |=
+                hold.followers_capped || hold.messages.len() + hold.followers.len() >= want;
             let got = hold.messages.len();
             self.observer.claimed(got);
             self.rate.add(got);
@@ -435,6 +464,14 @@ impl Producer {
         self.spawn_deliveries(batch, chunk, reserved, tasks, tx, inflight);
     }
 
+    /// The delivery timeout of a chunk: the longest of its topics'.
+    pub(crate) fn timeout_of(&self, part: &[ClaimedMessage]) -> Duration {
+        part.iter()
+            .map(|m| self.config.timeout_for(&m.topic))
+            .max()
+            .unwrap_or(self.config.delivery_timeout)
+    }
+
     /// One delivery per chunk, each holding one of the reserved permits; outcomes go to `tx`
     /// (and out of `inflight`, for leased messages).
     pub(crate) fn spawn_deliveries(
@@ -452,11 +489,7 @@ impl Producer {
                 .split(1)
                 .expect("a permit was reserved for every chunk");
             let part: Vec<ClaimedMessage> = rest.by_ref().take(chunk).collect();
-            let timeout = part
-                .iter()
-                .map(|m| self.config.timeout_for(&m.topic))
-                .max()
-                .unwrap_or(self.config.delivery_timeout);
+            let timeout = self.timeout_of(&part);
             tasks.spawn(deliver(
                 self.sink.clone(),
                 part,
@@ -472,6 +505,9 @@ impl Producer {
     }
 }
 
+/// What a delivery's outcomes are settled with: the lease, topic, whether ordered, created at.
+pub(crate) type Meta = (Lease, String, bool, chrono::DateTime<chrono::Utc>);
+
 #[allow(clippy::too_many_arguments)]
 async fn deliver(
     sink: Arc<dyn Sink>,
@@ -484,7 +520,21 @@ async fn deliver(
     health: Arc<SinkHealth>,
     unwritten: Arc<AtomicUsize>,
 ) {
-    let meta: Vec<(Lease, String, bool, chrono::DateTime<chrono::Utc>)> = chunk
+    let (meta, kinds) = deliver_chunk(&sink, chunk, timeout, &*observer, &health).await;
+    settle(meta, kinds, &tx, inflight.as_deref(), &unwritten).await;
+    drop(permit);
+}
+
+/// Delivers one chunk: one outcome per message (a timeout, a panic or a wrong number of outcomes
+/// is a retry of each; an unavailable sink releases each).
+pub(crate) async fn deliver_chunk(
+    sink: &Arc<dyn Sink>,
+    chunk: Vec<ClaimedMessage>,
+    timeout: Duration,
+    observer: &dyn Observer,
+    health: &SinkHealth,
+) -> (Vec<Meta>, Vec<SettleKind>) {
+    let meta: Vec<Meta> = chunk
         .iter()
         .map(|m| (m.lease(), m.topic.clone(), m.ordered, m.created_at))
         .collect();
@@ -499,15 +549,17 @@ async fn deliver(
     let Ok(result) = result else {
         let error = format!("delivery timed out after {timeout:?}");
         tracing::warn!(sink = sink.name(), messages = n, "{error}");
-        let kinds = (0..n).map(|_| SettleKind::Retry {
-            error: error.clone(),
-            delay: None,
-        });
-        return settle(meta, kinds, tx, inflight, unwritten, permit).await;
+        let kinds = (0..n)
+            .map(|_| SettleKind::Retry {
+                error: error.clone(),
+                delay: None,
+            })
+            .collect();
+        return (meta, kinds);
     };
     let kinds: Vec<SettleKind> = match result {
         Ok(Ok(outcomes)) if outcomes.len() == n => {
-            health.up(&*observer, sink.name());
+            health.up(observer, sink.name());
             outcomes.into_iter().map(SettleKind::from).collect()
         }
         Ok(Ok(outcomes)) => {
@@ -525,7 +577,7 @@ async fn deliver(
                 .collect()
         }
         Ok(Err(Unavailable(reason, down))) => {
-            health.down(&*observer, down.as_deref().unwrap_or(sink.name()), &reason);
+            health.down(observer, down.as_deref().unwrap_or(sink.name()), &reason);
             (0..n).map(|_| SettleKind::Release).collect()
         }
         Err(panic) => {
@@ -538,18 +590,18 @@ async fn deliver(
                 .collect()
         }
     };
-    settle(meta, kinds, tx, inflight, unwritten, permit).await;
+    (meta, kinds)
 }
 
-/// Hands a delivery's outcomes to the completer.
-async fn settle(
-    meta: Vec<(Lease, String, bool, chrono::DateTime<chrono::Utc>)>,
+/// Hands a delivery's outcomes to the completer (or to the end of their hold). False when the
+/// receiver is gone.
+pub(crate) async fn settle(
+    meta: Vec<Meta>,
     kinds: impl IntoIterator<Item = SettleKind>,
-    tx: mpsc::Sender<Settle>,
-    inflight: Option<Arc<InFlight>>,
-    unwritten: Arc<AtomicUsize>,
-    permit: OwnedSemaphorePermit,
-) {
+    tx: &mpsc::Sender<Settle>,
+    inflight: Option<&InFlight>,
+    unwritten: &AtomicUsize,
+) -> bool {
     for ((lease, topic, ordered, created_at), kind) in meta.into_iter().zip(kinds) {
         unwritten.fetch_add(1, Ordering::AcqRel);
         if tx
@@ -564,13 +616,13 @@ async fn settle(
             .is_err()
         {
             unwritten.fetch_sub(1, Ordering::AcqRel);
-            break; // completer gone: shutdown releases what is left in flight
+            return false; // completer gone: shutdown releases what is left in flight
         }
-        if let Some(inflight) = &inflight {
+        if let Some(inflight) = inflight {
             inflight.remove(lease);
         }
     }
-    drop(permit);
+    true
 }
 
 impl From<Outcome> for SettleKind {

@@ -159,6 +159,9 @@ pub struct Hold {
     /// hold): by key in the order of their heads, each key's in id order. One may be delivered
     /// only once the message before it in its key was delivered.
     pub followers: Vec<ClaimedMessage>,
+    /// True when a key's share of the followers was used up: more of its messages may wait
+    /// behind them.
+    pub followers_capped: bool,
 }
 
 impl std::fmt::Debug for Hold {
@@ -287,8 +290,8 @@ impl Store {
             .iter()
             .filter(|m| m.ordered && m.key.is_some())
             .collect();
-        let followers = if followers == 0 || heads.is_empty() {
-            Vec::new()
+        let (followers, followers_capped) = if followers == 0 || heads.is_empty() {
+            (Vec::new(), false)
         } else {
             let each = (followers / heads.len()).clamp(1, MAX_FOLLOWERS);
             let topics: Vec<&str> = heads.iter().map(|m| m.topic.as_str()).collect();
@@ -303,7 +306,11 @@ impl Store {
                 .bind::<Integer, _>(i32::try_from(each).unwrap_or(i32::MAX))
                 .load(&mut *conn)
                 .await?;
-            chains(rows)
+            let followers = chains(rows);
+            let capped = followers
+                .chunk_by(|a, b| (&a.topic, &a.key) == (&b.topic, &b.key))
+                .any(|c| c.len() >= each);
+            (followers, capped)
         };
         let keys = messages
             .iter()
@@ -319,6 +326,7 @@ impl Store {
             keys,
             messages,
             followers,
+            followers_capped,
         }))
     }
 
