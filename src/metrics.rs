@@ -13,7 +13,7 @@ use prometheus::{
 };
 
 use crate::engine::{Observer, Settlement};
-use crate::store::SampleRow;
+use crate::store::{SampleRow, Topics};
 
 /// The relay's metrics and the health they imply.
 pub struct Metrics {
@@ -40,6 +40,8 @@ pub struct Metrics {
     /// When each engine (by sink) last made progress, and how long without it means stuck.
     alive: Mutex<HashMap<String, std::time::Instant>>,
     stall_after: Mutex<Option<Duration>>,
+    /// Which sink serves which topics: their outcome counters start at 0 once a topic is seen.
+    routes: Mutex<Vec<(String, Topics)>>,
 }
 
 fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -198,6 +200,7 @@ impl Metrics {
             database_ok: AtomicBool::new(false),
             alive: Mutex::new(HashMap::new()),
             stall_after: Mutex::new(None),
+            routes: Mutex::new(Vec::new()),
             registry: r,
         };
         let build = gauge_vec(
@@ -241,7 +244,15 @@ impl Metrics {
         ] {
             g.reset();
         }
+        let routes = self.routes.lock().expect("routes lock");
         for r in rows {
+            if matches!(r.metric.as_str(), "depth" | "dead") {
+                for (sink, _) in routes.iter().filter(|(_, t)| t.matches(&r.label)) {
+                    for c in [&self.delivered, &self.retried, &self.dead_lettered] {
+                        c.with_label_values(&[&r.label, sink]);
+                    }
+                }
+            }
             match r.metric.as_str() {
                 "depth" => self
                     .queue_depth
@@ -277,6 +288,13 @@ impl Metrics {
             return Err("database unreachable".into());
         }
         Ok(())
+    }
+
+    /// The topics each sink serves: once a sample shows a topic (messages or dead letters), its
+    /// delivered/retried/dead-lettered counters exist at 0 for the sink that serves it, so the
+    /// first failure shows in `rate()` and `increase()` (a series that appears at 1 does not).
+    pub fn routes(&self, routes: Vec<(String, Topics)>) {
+        *self.routes.lock().expect("routes lock") = routes;
     }
 
     /// Engines that have made no progress for `after` make the process not alive (see
@@ -379,6 +397,42 @@ mod tests {
         assert!(m.alive_at(Instant::now() + Duration::from_secs(59)).is_ok());
         m.stall_after(None);
         assert!(m.alive_at(later + Duration::from_secs(3600)).is_ok());
+    }
+
+    #[test]
+    fn outcome_counters_start_at_zero_for_the_topics_a_sample_shows() {
+        let m = Metrics::new(&["kafka", "log"]);
+        m.routes(vec![
+            ("kafka".to_owned(), Topics::only(["orders.*"])),
+            ("log".to_owned(), Topics::only(["audit"])),
+        ]);
+        let row = |metric: &str, label: &str| SampleRow {
+            metric: metric.to_owned(),
+            label: label.to_owned(),
+            state: "available".to_owned(),
+            value: 3.0,
+        };
+        m.apply_sample(Ok(&[
+            row("depth", "orders.new"),
+            row("dead", "audit"),
+            row("depth", "other"),
+        ]));
+        let text = m.render();
+        for series in [
+            r#"postbox_messages_delivered_total{sink="kafka",topic="orders.new"} 0"#,
+            r#"postbox_messages_retried_total{sink="kafka",topic="orders.new"} 0"#,
+            r#"postbox_messages_dead_lettered_total{sink="log",topic="audit"} 0"#,
+        ] {
+            assert!(text.contains(series), "{series} missing:\n{text}");
+        }
+        assert!(!text.contains(r#"sink="log",topic="orders.new""#), "{text}");
+        // A topic no route serves gets no counters.
+        assert!(
+            !text
+                .lines()
+                .any(|l| l.contains("_total{") && l.contains(r#"topic="other""#)),
+            "{text}"
+        );
     }
 
     #[test]

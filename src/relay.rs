@@ -196,6 +196,12 @@ pub async fn run(
     names.sort_unstable();
     names.dedup();
     let metrics = Metrics::new(&names);
+    metrics.routes(
+        sinks
+            .iter()
+            .map(|s| (s.name().to_owned(), s.topics()))
+            .collect(),
+    );
     metrics.stall_after(Some(stall_limit(&settings.engine)));
     let server = serve_metrics(settings.metrics_listen, metrics.clone(), shutdown.clone()).await?;
     let store = match connect(&settings, &shutdown).await {
