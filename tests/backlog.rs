@@ -648,6 +648,9 @@ async fn drain_mode_delivers_every_message_of_ordered_keys_before_it_stops() {
     }
 }
 
+/// Every attempt, per key, in the order handlers started them: (payload, delivered).
+type AttemptLog = Arc<Mutex<HashMap<String, Vec<(i64, bool)>>>>;
+
 /// Two engines drain ordered keys whose messages sometimes fail their first attempt: held batches
 /// take the messages behind their heads and deliver them one after the other. No attempt of a
 /// message starts before the message before it in its key was delivered, and each is delivered
@@ -666,9 +669,8 @@ async fn engines_holding_ordered_keys_deliver_each_key_in_order_through_failures
         })
         .collect();
     enqueue(&db, msgs);
-    // Every attempt, per key, in the order the handlers started them: (payload, delivered).
-    let log: Arc<Mutex<HashMap<String, Vec<(i64, bool)>>>> = Default::default();
-    let engine = |log: Arc<Mutex<HashMap<String, Vec<(i64, bool)>>>>| {
+    let log: AttemptLog = Default::default();
+    let engine = |log: AttemptLog| {
         let handlers = Handlers::new().on("t", move |job: Job<i64>| {
             let log = log.clone();
             async move {

@@ -442,9 +442,18 @@ fn metrics_and_health_are_served_and_pass_promtool() {
         &[
             Message::new("m.one").key("k").ordered(),
             Message::new("m.two"),
+            // Waits: the samples show its topic, whose outcome counters then exist at 0.
+            Message::new("m.later").delay(Duration::from_secs(3600)),
         ],
     )
     .unwrap();
+    // A dead letter, and an ordered head retrying later (a stalled key): every gauge has a series.
+    db.exec(
+        "INSERT INTO postbox.dead_letters (id, topic, ordered, payload, headers, priority, attempts, max_attempts, created_at, reason, dead_at)
+         VALUES (-1, 'm.dead', false, 'null', '{}', 0, 1, 1, now(), 'test', now());
+         INSERT INTO postbox.messages (topic, key, ordered, run_at, attempts, last_error)
+         VALUES ('m.stalled', 'k', true, now() + interval '1 hour', 1, 'refused');",
+    );
     let port = free_port();
     let mut relay = spawn_relay(&db.url, port);
     assert!(
@@ -457,7 +466,12 @@ fn metrics_and_health_are_served_and_pass_promtool() {
         .is_some_and(|(_, b)| b.contains(
             r#"postbox_messages_delivered_total{sink="log",topic="m.two"} 1"#
         ))));
+    assert!(wait_for(Duration::from_secs(20), || get(port, "/metrics")
+        .is_some_and(|(_, b)| b.contains(
+            r#"postbox_messages_dead_lettered_total{sink="log",topic="m.later"} 0"#
+        ))));
     let (_, body) = get(port, "/metrics").unwrap();
+    dashboard_and_alerts_use_only_exported_metrics(&body);
     for name in [
         "postbox_messages_delivered_total",
         "postbox_delivery_duration_seconds_bucket",
@@ -505,6 +519,47 @@ fn metrics_and_health_are_served_and_pass_promtool() {
         .read_to_string(&mut out)
         .unwrap();
     assert_eq!(out.lines().count(), 2, "{out}");
+}
+
+/// Every `postbox_*` metric named by the chart's Grafana dashboard and alerts is in `scrape`.
+fn dashboard_and_alerts_use_only_exported_metrics(scrape: &str) {
+    let exported: std::collections::HashSet<&str> = scrape
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .collect();
+    let dashboard: serde_json::Value =
+        serde_json::from_str(include_str!("../helm/postbox/files/grafana-dashboard.json")).unwrap();
+    let mut queries = Vec::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            queries.push(target["expr"].as_str().unwrap().to_owned());
+        }
+    }
+    for var in dashboard["templating"]["list"].as_array().unwrap() {
+        if let Some(q) = var["definition"].as_str() {
+            queries.push(q.to_owned());
+        }
+    }
+    assert!(queries.len() >= 15, "{queries:?}");
+    let rules = include_str!("../helm/postbox/templates/prometheusrule.yaml");
+    let exprs: Vec<String> = rules
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("expr:"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(exprs.len(), 7, "one expression per alert");
+    for q in queries.iter().chain(&exprs) {
+        let names = q
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .filter(|w| w.starts_with("postbox_"));
+        for name in names {
+            assert!(
+                exported.contains(name),
+                "{name} (in `{q}`) is not exported by the relay:\n{scrape}"
+            );
+        }
+    }
 }
 
 #[test]
