@@ -7,16 +7,14 @@ use std::io::{Read, Write};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{TestDb, http_get as get};
+use common::{TestDb, hermetic, http_get as get};
 use postbox::Message;
 
 const BIN: &str = env!("CARGO_BIN_EXE_postbox");
 
 fn postbox(args: &[&str]) -> Output {
-    Command::new(BIN)
+    hermetic(BIN)
         .args(args)
-        .env_remove("DATABASE_URL")
-        .env_remove("POSTBOX_DATABASE_URL")
         .env("POSTBOX_LOG", "info")
         .output()
         .expect("run postbox")
@@ -132,7 +130,7 @@ fn invalid_configuration_exits_2_naming_the_field() {
             text(&out.stderr)
         );
     }
-    let out = Command::new(BIN)
+    let out = hermetic(BIN)
         .args(["config", "check"])
         .env("POSTBOX_BATCH_SIZE", "many")
         .output()
@@ -186,10 +184,8 @@ fn messages_that_sql_cannot_store_are_refused_with_exit_2_and_nothing_written() 
 #[test]
 fn an_environment_variable_that_is_not_utf8_does_not_crash_the_relay() {
     use std::os::unix::ffi::OsStrExt;
-    let out = Command::new(BIN)
+    let out = hermetic(BIN)
         .args(["config", "check"])
-        .env_remove("DATABASE_URL")
-        .env_remove("POSTBOX_DATABASE_URL")
         .env("SOME_OTHER_TOOL", std::ffi::OsStr::from_bytes(b"caf\xe9"))
         .output()
         .expect("run postbox");
@@ -199,10 +195,9 @@ fn an_environment_variable_that_is_not_utf8_does_not_crash_the_relay() {
 #[test]
 fn a_foreign_database_url_in_the_environment_does_not_beat_the_config_file() {
     let f = file("database_url = \"postgres://postgres@from-the-file/postbox\"\n");
-    let out = Command::new(BIN)
+    let out = hermetic(BIN)
         .args(["--config", f.as_str(), "config", "check"])
         .env("DATABASE_URL", "postgres://someone@another-app/db")
-        .env_remove("POSTBOX_DATABASE_URL")
         .output()
         .expect("run postbox");
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
@@ -210,7 +205,7 @@ fn a_foreign_database_url_in_the_environment_does_not_beat_the_config_file() {
     assert!(shown.contains("from-the-file"), "{shown}");
     assert!(!shown.contains("another-app"), "{shown}");
     // POSTBOX_DATABASE_URL is meant for postbox: it wins.
-    let out = Command::new(BIN)
+    let out = hermetic(BIN)
         .args(["--config", f.as_str(), "config", "check"])
         .env(
             "POSTBOX_DATABASE_URL",
@@ -398,7 +393,7 @@ fn free_port() -> u16 {
 }
 
 fn spawn_relay(url: &str, port: u16) -> Child {
-    Command::new(BIN)
+    hermetic(BIN)
         .args(["--database-url", url, "run"])
         .env("POSTBOX_METRICS_LISTEN", format!("127.0.0.1:{port}"))
         .env("POSTBOX_POLL_INTERVAL", "200ms")

@@ -698,7 +698,7 @@ sink = "log"
         ),
     )
     .unwrap();
-    let mut relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
+    let mut relay = common::hermetic(env!("CARGO_BIN_EXE_postbox"))
         .args(["--config", config.to_str().unwrap(), "run"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

@@ -17,6 +17,17 @@ pub fn server_url() -> String {
         .to_owned()
 }
 
+/// A command for a binary of this crate (the relay) with an environment of its own: nothing of the
+/// caller's (`DATABASE_URL`, `POSTBOX_*`, …) reaches it but `PATH`; a test sets what it should read.
+pub fn hermetic(bin: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(bin);
+    c.env_clear();
+    if let Some(path) = std::env::var_os("PATH") {
+        c.env("PATH", path);
+    }
+    c
+}
+
 fn admin() -> PgConnection {
     PgConnection::establish(&format!("{}/postgres", server_url()))
         .expect("PostgreSQL must be running (see README: Tests)")
