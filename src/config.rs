@@ -173,38 +173,14 @@ impl Overrides {
     }
 }
 
-/// Parses `30s`, `250ms`, `5m`, `1h`, `2d` (one number and one unit).
+/// Parses a duration as humantime does: `30s`, `250ms`, `1.5s`, `5m`, `1h 30m`, `2d`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .ok_or_else(|| format!("{s:?} has no unit (ms, s, m, h, d)"))?;
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration like 30s or 250ms"))?;
-    let secs = match unit.trim() {
-        "ms" => n / 1000.0,
-        "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        "d" => n * 86400.0,
-        other => {
-            return Err(format!(
-                "unknown unit {other:?} in {s:?} (use ms, s, m, h or d)"
-            ));
-        }
-    };
-    Duration::try_from_secs_f64(secs).map_err(|_| format!("{s:?} is out of range"))
+    humantime::parse_duration(s.trim())
+        .map_err(|e| format!("{s:?} is not a duration like 30s, 250ms or 1h 30m ({e})"))
 }
 
 fn format_duration(d: Duration) -> String {
-    let ms = d.as_millis();
-    if ms % 1000 != 0 {
-        format!("{ms}ms")
-    } else {
-        format!("{}s", ms / 1000)
-    }
+    humantime::format_duration(d).to_string()
 }
 
 mod opt_duration {
@@ -775,7 +751,9 @@ sink = "log"
             parse_duration("7d").unwrap(),
             Duration::from_secs(7 * 86400)
         );
+        assert_eq!(parse_duration("1h 30m").unwrap(), Duration::from_secs(5400));
         assert!(parse_duration("5").is_err());
         assert!(parse_duration("5 fortnights").is_err());
+        assert_eq!(format_duration(Duration::from_millis(1500)), "1s 500ms");
     }
 }
