@@ -97,3 +97,36 @@ async fn sslmode_verify_full_checks_the_chain_and_the_host_name() {
         .expect("chain not checked");
     assert!(e.to_string().to_lowercase().contains("certificate"), "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sslmode_prefer_allow_and_verify_ca_mean_what_libpq_means() {
+    let cert = server_cert_file();
+    let db = TestDb::migrated();
+    let store = |q: String| {
+        let u = url(&db, "127.0.0.1", &q);
+        async move { postbox::Store::connect(&u, 2).await }
+    };
+    // prefer: the server offers TLS, so the session is encrypted (it used to be plain).
+    assert!(encrypted(&store("sslmode=prefer".into()).await.unwrap()).await);
+    // allow: plain first, and the server accepts it.
+    assert!(!encrypted(&store("sslmode=allow".into()).await.unwrap()).await);
+    // verify-ca: the chain is checked, the host name (127.0.0.1, not in the certificate) is not.
+    let ca = store(format!("sslmode=verify-ca&sslrootcert={cert}"))
+        .await
+        .unwrap();
+    assert!(encrypted(&ca).await);
+    // require with a root certificate is verify-ca (libpq's rule): the chain is checked.
+    assert!(
+        encrypted(
+            &store(format!("sslmode=require&sslrootcert={cert}"))
+                .await
+                .unwrap()
+        )
+        .await
+    );
+    let e = postbox::store::connect::establish(&url(&db, "127.0.0.1", "sslmode=verify-ca"))
+        .await
+        .err()
+        .expect("public roots do not vouch for the local certificate");
+    assert!(e.to_string().to_lowercase().contains("certificate"), "{e}");
+}

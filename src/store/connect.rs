@@ -12,49 +12,63 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 /// The enqueue, which must be durable, runs in the app's transaction on the app's connection.
 const SESSION: &str = "SET synchronous_commit = off; SET application_name = 'postbox'; SET postbox.promotes_heads = 'caller'";
 
-/// How the URL asks for TLS (`sslmode`), the libpq way.
+/// How the URL asks for TLS (`sslmode`), as libpq means it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TlsMode {
-    /// No `sslmode`, or `disable` / `allow` / `prefer`: plain TCP (as the sync side's default).
+    /// No `sslmode` (the async side does not negotiate TLS unless asked), or `disable`: plain TCP.
     Off,
-    /// `require`: encrypted, the server's certificate is not checked.
+    /// `allow`: plain TCP; TLS (certificate not checked) if the server refuses a plain session.
+    Allow,
+    /// `prefer`: TLS (certificate not checked) if the server offers it, else plain TCP.
+    Prefer,
+    /// `require` without `sslrootcert`: encrypted, the server's certificate is not checked.
     Require,
-    /// `verify-full`: encrypted, the certificate chains to `sslrootcert` (a PEM file) or to the
-    /// public web roots, and names the host.
+    /// `verify-ca`, or `require` with `sslrootcert` (libpq's rule): encrypted, the certificate
+    /// chains to `sslrootcert` (a PEM file) or to the public web roots; the host name is not checked.
+    VerifyCa { root_cert: Option<String> },
+    /// `verify-full`: as `verify-ca`, and the certificate names the host.
     VerifyFull { root_cert: Option<String> },
 }
 
-/// Reads `sslmode` and `sslrootcert` from the URL and returns the URL without them.
+/// Reads `sslmode` and `sslrootcert` from a `postgres://` URL (query values percent-decoded) and
+/// returns the URL without them. A `key=value` connection string is passed on as it is (plain
+/// TCP): TLS options need the URL form.
 pub fn tls_mode(url: &str) -> Result<(TlsMode, String), String> {
-    let Some((base, query)) = url.split_once('?') else {
-        return Ok((TlsMode::Off, url.to_owned()));
-    };
-    let mut mode = None;
-    let mut root = None;
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        return match url.contains("sslmode") {
+            false => Ok((TlsMode::Off, url.to_owned())),
+            true => Err("sslmode needs the URL form postgres://…?sslmode=…".to_owned()),
+        };
+    }
+    let mut parsed = url::Url::parse(url).map_err(|e| format!("not a PostgreSQL URL: {e}"))?;
+    let (mut mode, mut root) = (None, None);
     let mut rest = Vec::new();
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
-        match pair.split_once('=') {
-            Some(("sslmode", v)) => mode = Some(v.to_owned()),
-            Some(("sslrootcert", v)) => root = Some(v.to_owned()),
-            _ => rest.push(pair),
+    for (k, v) in parsed.query_pairs() {
+        match &*k {
+            "sslmode" => mode = Some(v.into_owned()),
+            "sslrootcert" => root = Some(v.into_owned()),
+            _ => rest.push((k.into_owned(), v.into_owned())),
         }
     }
-    let stripped = if rest.is_empty() {
-        base.to_owned()
+    if rest.is_empty() {
+        parsed.set_query(None);
     } else {
-        format!("{base}?{}", rest.join("&"))
-    };
+        parsed.query_pairs_mut().clear().extend_pairs(&rest);
+    }
     let mode = match mode.as_deref() {
-        None | Some("disable" | "allow" | "prefer") => TlsMode::Off,
-        Some("require") => TlsMode::Require,
+        None | Some("disable") => TlsMode::Off,
+        Some("allow") => TlsMode::Allow,
+        Some("prefer") => TlsMode::Prefer,
+        Some("require") if root.is_none() => TlsMode::Require,
+        Some("require" | "verify-ca") => TlsMode::VerifyCa { root_cert: root },
         Some("verify-full") => TlsMode::VerifyFull { root_cert: root },
         Some(other) => {
             return Err(format!(
-                "sslmode={other} is not supported here (use require or verify-full)"
+                "sslmode={other} is not one of disable, allow, prefer, require, verify-ca, verify-full"
             ));
         }
     };
-    Ok((mode, stripped))
+    Ok((mode, parsed.into()))
 }
 
 /// Opens one connection, over TLS when the URL's `sslmode` asks for it.
@@ -62,6 +76,11 @@ pub async fn open(url: &str) -> ConnectionResult<AsyncPgConnection> {
     let (mode, stripped) = tls_mode(url).map_err(ConnectionError::BadConnection)?;
     match mode {
         TlsMode::Off => AsyncPgConnection::establish(&stripped).await,
+        #[cfg(feature = "tls")]
+        TlsMode::Allow => match AsyncPgConnection::establish(&stripped).await {
+            Ok(c) => Ok(c),
+            Err(_) => tls::establish(&stripped, TlsMode::Require).await,
+        },
         #[cfg(feature = "tls")]
         tls => tls::establish(&stripped, tls).await,
         #[cfg(not(feature = "tls"))]
@@ -86,9 +105,12 @@ mod tls {
 
     use diesel::{ConnectionError, ConnectionResult};
     use diesel_async::AsyncPgConnection;
+    use rustls::client::WebPkiServerVerifier;
     use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
     use rustls::pki_types::{CertificateDer, ServerName, UnixTime, pem::PemObject};
-    use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+    use rustls::{
+        CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
+    };
 
     use super::TlsMode;
 
@@ -154,39 +176,101 @@ mod tls {
         }
     }
 
+    /// `sslmode=verify-ca`: the chain is checked as for verify-full, the host name is not.
+    #[derive(Debug)]
+    struct AnyHostName(Arc<WebPkiServerVerifier>);
+
+    impl ServerCertVerifier for AnyHostName {
+        fn verify_server_cert(
+            &self,
+            cert: &CertificateDer<'_>,
+            chain: &[CertificateDer<'_>],
+            name: &ServerName<'_>,
+            ocsp: &[u8],
+            now: UnixTime,
+        ) -> Result<ServerCertVerified, rustls::Error> {
+            match self.0.verify_server_cert(cert, chain, name, ocsp, now) {
+                Err(rustls::Error::InvalidCertificate(
+                    CertificateError::NotValidForName
+                    | CertificateError::NotValidForNameContext { .. },
+                )) => Ok(ServerCertVerified::assertion()),
+                other => other,
+            }
+        }
+        fn verify_tls12_signature(
+            &self,
+            m: &[u8],
+            c: &CertificateDer<'_>,
+            d: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            self.0.verify_tls12_signature(m, c, d)
+        }
+        fn verify_tls13_signature(
+            &self,
+            m: &[u8],
+            c: &CertificateDer<'_>,
+            d: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, rustls::Error> {
+            self.0.verify_tls13_signature(m, c, d)
+        }
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.0.supported_verify_schemes()
+        }
+    }
+
+    fn roots(root_cert: Option<&str>) -> ConnectionResult<RootCertStore> {
+        let mut roots = RootCertStore::empty();
+        match root_cert {
+            Some(path) => {
+                for cert in CertificateDer::pem_file_iter(path)
+                    .map_err(|e| bad(format!("sslrootcert {path}: {e}")))?
+                {
+                    roots
+                        .add(cert.map_err(|e| bad(format!("sslrootcert {path}: {e}")))?)
+                        .map_err(|e| bad(format!("sslrootcert {path}: {e}")))?;
+                }
+            }
+            None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
+        }
+        Ok(roots)
+    }
+
     fn client_config(mode: &TlsMode) -> ConnectionResult<ClientConfig> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let builder = ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
             .map_err(bad)?;
         Ok(match mode {
-            TlsMode::Require => builder
+            TlsMode::Allow | TlsMode::Prefer | TlsMode::Require => builder
                 .dangerous()
                 .with_custom_certificate_verifier(Arc::new(AcceptAnyCert(provider)))
                 .with_no_client_auth(),
-            TlsMode::VerifyFull { root_cert } => {
-                let mut roots = RootCertStore::empty();
-                match root_cert {
-                    Some(path) => {
-                        for cert in CertificateDer::pem_file_iter(path)
-                            .map_err(|e| bad(format!("sslrootcert {path}: {e}")))?
-                        {
-                            roots
-                                .add(cert.map_err(|e| bad(format!("sslrootcert {path}: {e}")))?)
-                                .map_err(|e| bad(format!("sslrootcert {path}: {e}")))?;
-                        }
-                    }
-                    None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
-                }
-                builder.with_root_certificates(roots).with_no_client_auth()
+            TlsMode::VerifyCa { root_cert } => {
+                let verifier = WebPkiServerVerifier::builder_with_provider(
+                    Arc::new(roots(root_cert.as_deref())?),
+                    provider,
+                )
+                .build()
+                .map_err(bad)?;
+                builder
+                    .dangerous()
+                    .with_custom_certificate_verifier(Arc::new(AnyHostName(verifier)))
+                    .with_no_client_auth()
             }
+            TlsMode::VerifyFull { root_cert } => builder
+                .with_root_certificates(roots(root_cert.as_deref())?)
+                .with_no_client_auth(),
             TlsMode::Off => unreachable!("plain connections do not come here"),
         })
     }
 
     pub(super) async fn establish(url: &str, mode: TlsMode) -> ConnectionResult<AsyncPgConnection> {
         let mut config: tokio_postgres::Config = url.parse().map_err(bad)?;
-        config.ssl_mode(tokio_postgres::config::SslMode::Require);
+        // Prefer: TLS if the server offers it, else plain (tokio-postgres falls back itself).
+        config.ssl_mode(match mode {
+            TlsMode::Prefer => tokio_postgres::config::SslMode::Prefer,
+            _ => tokio_postgres::config::SslMode::Require,
+        });
         let tls = tokio_postgres_rustls::MakeRustlsConnect::new(client_config(&mode)?);
         let (client, connection) = config.connect(tls).await.map_err(|e| chain(&e))?;
         AsyncPgConnection::try_from_client_and_connection(client, connection).await
@@ -219,6 +303,40 @@ mod tests {
                 "postgres://h/db".into()
             )
         );
-        assert!(tls_mode("postgres://h/db?sslmode=verify-ca").is_err());
+        for (mode, want) in [
+            ("disable", TlsMode::Off),
+            ("allow", TlsMode::Allow),
+            ("prefer", TlsMode::Prefer),
+            ("verify-ca", TlsMode::VerifyCa { root_cert: None }),
+        ] {
+            assert_eq!(
+                tls_mode(&format!("postgres://h/db?sslmode={mode}"))
+                    .unwrap()
+                    .0,
+                want
+            );
+        }
+        // libpq: require with a root certificate verifies the chain.
+        assert_eq!(
+            tls_mode("postgres://h/db?sslmode=require&sslrootcert=%2Fetc%2Fca.pem")
+                .unwrap()
+                .0,
+            TlsMode::VerifyCa {
+                root_cert: Some("/etc/ca.pem".into())
+            }
+        );
+        assert!(tls_mode("postgres://h/db?sslmode=sometimes").is_err());
+        // Percent-encoded credentials pass through untouched.
+        assert_eq!(
+            tls_mode("postgres://u:p%40ss%2Fw@h:5433/db?sslmode=disable")
+                .unwrap()
+                .1,
+            "postgres://u:p%40ss%2Fw@h:5433/db"
+        );
+        assert_eq!(
+            tls_mode("host=h dbname=db").unwrap(),
+            (TlsMode::Off, "host=h dbname=db".into())
+        );
+        assert!(tls_mode("host=h sslmode=require").is_err());
     }
 }
