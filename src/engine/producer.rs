@@ -122,6 +122,12 @@ impl InFlight {
             .map(|(_, l)| l)
             .collect()
     }
+    /// How many of `ids` still have a lease in flight.
+    pub(crate) fn still_in(&self, ids: &[i64]) -> usize {
+        let m = self.leases.lock().expect("in-flight lock");
+        let held: std::collections::HashSet<i64> = m.keys().map(|(id, _)| *id).collect();
+        ids.iter().filter(|id| held.contains(id)).count()
+    }
     pub(crate) fn len(&self) -> usize {
         self.leases.lock().expect("in-flight lock").len()
     }
@@ -670,11 +676,16 @@ pub(crate) async fn heartbeat(
         }
         match store.extend(&leases, lease).await {
             Ok(r) if !r.fenced.is_empty() => {
-                tracing::warn!(
-                    lost = r.fenced.len(),
-                    "leases lost before delivery finished; their outcomes will be fenced"
-                );
-                observer.lease_lost(r.fenced.len());
+                // A message settled while the extension ran is not lost: its outcome was written
+                // (it leaves the registry right after its outcome is queued for the completer).
+                let lost = inflight.still_in(&r.fenced);
+                if lost > 0 {
+                    tracing::warn!(
+                        lost,
+                        "leases lost before delivery finished; their outcomes will be fenced"
+                    );
+                    observer.lease_lost(lost);
+                }
             }
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "lease extension failed"),
