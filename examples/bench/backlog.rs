@@ -1,10 +1,10 @@
 //! `--only backlog`: what a backlog costs (DESIGN §2.10).
 //!
-//! 1. Claim latency, batch 100, of one topic (`target`) on five tables: clean (20,000 available
+//! 1. Claim latency, batch 100, of one topic (`target`) on five tables: clean (100,000 available
 //!    messages); the same with N scheduled rows an hour ahead in front of them; with N available
 //!    rows of another topic; N ordered rows over 10 keys; N ordered rows over 10,000 keys (N =
 //!    `--backlog-rows`, default 1,000,000). Each claim's messages are completed between claims (not
-//!    timed), as a relay would. A shape stops after 200 claims or 30 s.
+//!    timed), as a relay would. A shape stops after 1,000 claims (p99: the tenth slowest) or 30 s.
 //! 2. The drain rate of the embedded engine on 100,000 ordered messages over 1,000 keys against
 //!    100,000 unordered ones, twice each, alternating.
 //! 3. `status` (`Store::stats`) and the metrics sample at `--status-rows` rows (default 10M), next
@@ -23,7 +23,7 @@ use postbox::{Message, Store, Topics};
 use super::{drain_engine, percentile, reset};
 
 const BATCH: usize = 100;
-const CLAIMS: usize = 200;
+const CLAIMS: usize = 1000;
 const SHAPE_BUDGET: Duration = Duration::from_secs(30);
 
 fn exec(url: &str, sql: &str) {
@@ -103,7 +103,7 @@ pub async fn run(url: &str, rows: usize, status_rows: usize) {
 /// Claim latency (p99, ms) per backlog shape.
 async fn claim_shapes(url: &str, store: &Store, rows: usize) -> Vec<(&'static str, f64)> {
     let target =
-        "INSERT INTO postbox.messages (topic) SELECT 'target' FROM generate_series(1, 20000);";
+        "INSERT INTO postbox.messages (topic) SELECT 'target' FROM generate_series(1, 100000);";
     let shapes: [(&str, String); 5] = [
         ("clean", target.to_owned()),
         (
