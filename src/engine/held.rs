@@ -96,7 +96,9 @@ pub(crate) async fn run(
         return;
     }
     let batch = std::mem::take(&mut hold.messages);
-    let chains = Arc::new(Chains::new(&batch, std::mem::take(&mut hold.followers)));
+    let followers = std::mem::take(&mut hold.followers);
+    // Without followers (no ordered heads), deliveries skip the chains altogether.
+    let chains = (!followers.is_empty()).then(|| Arc::new(Chains::new(&batch, followers)));
     let leases: Vec<Lease> = batch.iter().map(|m| m.lease()).collect();
     let (tx, rx) = mpsc::channel(batch.len().max(1));
     let mut deliveries = JoinSet::new();
@@ -109,7 +111,7 @@ pub(crate) async fn run(
         deliveries.spawn(deliver(p.clone(), part, permit, tx.clone(), chains.clone()));
     }
     drop((permits, tx));
-    end(&p, hold, leases, rx, slot, &chains).await;
+    end(&p, hold, leases, rx, slot, chains.as_deref()).await;
     while deliveries.join_next().await.is_some() {}
 }
 
@@ -119,20 +121,24 @@ async fn deliver(
     mut part: Vec<ClaimedMessage>,
     permit: OwnedSemaphorePermit,
     tx: mpsc::Sender<Settle>,
-    chains: Arc<Chains>,
+    chains: Option<Arc<Chains>>,
 ) {
     loop {
         let timeout = p.timeout_of(&part);
         let (meta, kinds) = deliver_chunk(&p.sink, part, timeout, &*p.observer, &p.health).await;
-        let delivered: Vec<MessageId> = meta
-            .iter()
-            .zip(&kinds)
-            .filter(|(_, k)| matches!(k, SettleKind::Complete))
-            .map(|(m, _)| m.0.id)
-            .collect();
+        let delivered: Vec<MessageId> = match &chains {
+            Some(_) => meta
+                .iter()
+                .zip(&kinds)
+                .filter(|(_, k)| matches!(k, SettleKind::Complete))
+                .map(|(m, _)| m.0.id)
+                .collect(),
+            None => Vec::new(),
+        };
         if !settle(meta, kinds, &tx, None, &p.unwritten).await {
             break;
         }
+        let Some(chains) = &chains else { break };
         part = chains.after(&delivered);
         if part.is_empty() {
             break;
@@ -149,7 +155,7 @@ async fn end(
     mut leases: Vec<Lease>,
     mut rx: mpsc::Receiver<Settle>,
     slot: OwnedSemaphorePermit,
-    chains: &Chains,
+    chains: Option<&Chains>,
 ) {
     let until = tokio::time::Instant::now() + p.config.hold_limit;
     let mut got = Vec::with_capacity(leases.len());
@@ -166,7 +172,9 @@ async fn end(
         }
     }
     // Followers not started stay as they are (waiting, behind the last delivered of their key).
-    leases.extend(chains.stop());
+    if let Some(chains) = chains {
+        leases.extend(chains.stop());
+    }
     while let Ok(s) = rx.try_recv() {
         got.push(s);
     }
