@@ -152,7 +152,11 @@ async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_t
     assert!(store.end_hold(hold, &[id], &[], LEASE, 0).await.is_err());
     assert!(
         eventually(Duration::from_secs(10), || async {
-            db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE state = 'available'") == 2
+            // Held rows stay `available`: claimable means not locked by the dropped hold.
+            db.scalar(
+                "SELECT count(*) AS v FROM (SELECT id FROM postbox.messages WHERE state = 'available'
+                 FOR UPDATE SKIP LOCKED) s",
+            ) == 2
         })
         .await,
         "rolled back: both messages are claimable"
