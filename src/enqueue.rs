@@ -96,7 +96,7 @@ fn rows(msgs: &[Message]) -> Result<Vec<NewMessage<'_>>> {
                 key: m.key.as_deref(),
                 ordered: m.ordered,
                 payload,
-                headers: serde_json::to_value(headers).expect("string map is JSON"),
+                headers: headers_json(headers),
                 priority: m.priority,
                 run_at,
                 max_attempts: m.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS),
@@ -104,6 +104,18 @@ fn rows(msgs: &[Message]) -> Result<Vec<NewMessage<'_>>> {
             })
         })
         .collect()
+}
+
+/// The headers as stored; with feature `otel`, the current trace context added (see `otel`).
+fn headers_json(headers: &std::collections::BTreeMap<String, String>) -> serde_json::Value {
+    #[cfg(feature = "otel")]
+    {
+        let mut headers = headers.clone();
+        crate::otel::inject(&mut headers);
+        serde_json::to_value(headers).expect("string map is JSON")
+    }
+    #[cfg(not(feature = "otel"))]
+    serde_json::to_value(headers).expect("string map is JSON")
 }
 
 /// Every column is a bind parameter (no `DEFAULT`), so a one-message insert is one prepared

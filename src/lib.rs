@@ -46,6 +46,8 @@ pub mod error;
 pub mod message;
 #[cfg(feature = "relay")]
 pub mod metrics;
+#[cfg(feature = "otel")]
+pub mod otel;
 #[cfg(feature = "relay")]
 pub mod relay;
 pub mod schema;

@@ -133,6 +133,8 @@ impl Handlers {
                     return futures_util::future::ready(Outcome::Dead { reason }).boxed();
                 }
             };
+            #[cfg(feature = "otel")]
+            let cx = crate::otel::handler_context(&m.topic, m.id, m.attempts, &m.headers);
             let job = Job {
                 payload,
                 id: m.id,
@@ -144,13 +146,32 @@ impl Handlers {
                 created_at: m.created_at,
                 last_error: m.last_error,
             };
+            #[cfg(feature = "otel")]
+            let fut = {
+                use opentelemetry::context::FutureExt as _;
+                handler(job).with_context(cx.clone())
+            };
+            #[cfg(not(feature = "otel"))]
             let fut = handler(job);
             async move {
-                match fut.await {
+                let outcome = match fut.await {
                     Ok(()) => Outcome::Delivered,
                     Err(HandlerError::Retry { reason, delay }) => Outcome::Retry { reason, delay },
                     Err(HandlerError::Dead { reason }) => Outcome::Dead { reason },
+                };
+                #[cfg(feature = "otel")]
+                {
+                    use opentelemetry::trace::{Status, TraceContextExt as _};
+                    let span = cx.span();
+                    match &outcome {
+                        Outcome::Delivered => span.set_status(Status::Ok),
+                        Outcome::Retry { reason, .. } | Outcome::Dead { reason } => {
+                            span.set_status(Status::error(reason.clone()))
+                        }
+                    }
+                    span.end();
                 }
+                outcome
             }
             .boxed()
         };
