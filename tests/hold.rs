@@ -13,6 +13,22 @@ use postbox::{Message, Topics};
 const LEASE: Duration = Duration::from_secs(30);
 const HOLD: Duration = Duration::from_secs(1);
 
+/// Available messages not locked by any transaction: held rows stay `available`, so a dropped
+/// hold's rows are claimable only once its connection is gone (the rollback is not instant).
+fn unlocked_now(db: &TestDb) -> i64 {
+    db.scalar(
+        "SELECT count(*) AS v FROM (SELECT id FROM postbox.messages WHERE state = 'available'
+         FOR UPDATE SKIP LOCKED) s",
+    )
+}
+
+async fn unlocked(db: &TestDb, n: i64) {
+    assert!(
+        eventually(Duration::from_secs(10), || async { unlocked_now(db) == n }).await,
+        "a dropped hold still locks its rows"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hold_locks_its_batch_deletes_the_delivered_and_leases_the_rest() {
     let db = TestDb::migrated();
@@ -151,14 +167,7 @@ async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_t
     let id = hold.messages[0].id;
     assert!(store.end_hold(hold, &[id], &[], LEASE, 0).await.is_err());
     assert!(
-        eventually(Duration::from_secs(10), || async {
-            // Held rows stay `available`: claimable means not locked by the dropped hold.
-            db.scalar(
-                "SELECT count(*) AS v FROM (SELECT id FROM postbox.messages WHERE state = 'available'
-                 FOR UPDATE SKIP LOCKED) s",
-            ) == 2
-        })
-        .await,
+        eventually(Duration::from_secs(10), || async { unlocked_now(&db) == 2 }).await,
         "rolled back: both messages are claimable"
     );
 
@@ -194,6 +203,7 @@ async fn a_take_after_a_position_starts_there_on_one_topic_or_several() {
         .unwrap();
     assert_eq!(ids(&hold), a[2..]);
     drop(hold);
+    unlocked(&db, 8).await;
 
     // Several topics (postbox.take): each after its own position, the others from the front;
     // the second pass of a topic continues after its first (no row twice).
