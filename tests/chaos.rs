@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{TestDb, create_ledger, eventually, ledger, ledger_writer};
-use diesel::RunQueryDsl;
+use diesel::{Connection, PgConnection, RunQueryDsl};
 use postbox::engine::{Engine, EngineConfig};
 use postbox::sink::handlers::{Handlers, Job};
 use tokio_util::sync::CancellationToken;
@@ -338,4 +338,121 @@ async fn a_message_that_crashes_its_relay_every_time_ends_in_the_dead_letters() 
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
     let calls = calls.load(Ordering::SeqCst);
     assert!((3..=6).contains(&calls), "delivered {calls} times");
+}
+
+/// Runs `engine`'s deliveries against `db` while a writer produces, calls `fault` (given the time
+/// the faults may take), then stops the writer and waits for the queue to empty. Prints the ledger
+/// and returns (produced, lost, duplicates, dead, recovery time).
+async fn ledger_run<F, Fut>(
+    db: &TestDb,
+    name: &str,
+    fault: F,
+) -> (usize, Vec<i64>, u32, usize, Duration)
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    create_ledger(db);
+    let delivered: Delivered = Arc::default();
+    let engine = Engine::builder(db.url.clone())
+        .handlers(recording(&delivered))
+        .config(chaos_config())
+        .build()
+        .await
+        .unwrap();
+    let stop_engine = CancellationToken::new();
+    let task = tokio::spawn(engine.run(stop_engine.clone()));
+    let stop_writing = Arc::new(AtomicBool::new(false));
+    let w = ledger_writer(db.url.clone(), "chaos", stop_writing.clone());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    fault().await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop_writing.store(true, Ordering::Release);
+    let commits = tokio::task::spawn_blocking(move || w.join().unwrap())
+        .await
+        .unwrap();
+    let faults_ended = Instant::now();
+    let recovered = eventually(Duration::from_secs(60), || async {
+        db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
+    })
+    .await;
+    let recovery = faults_ended.elapsed();
+    stop_engine.cancel();
+    task.await.unwrap().unwrap();
+    let delivered = delivered.lock().unwrap().clone();
+    let (produced, lost, duplicates, dead) = ledger(db, &delivered);
+    eprintln!(
+        "chaos ({name}): produced {produced} ({commits} commits seen by the writer), delivered {}, \
+         duplicates {duplicates}, lost {}, dead {dead}, queue empty {recovery:?} after the writer stopped",
+        delivered.len(),
+        lost.len()
+    );
+    assert!(recovered, "{name}: the queue did not drain");
+    (produced, lost, duplicates, dead, recovery)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restarted_mid_drain_loses_nothing_and_the_relay_recovers_by_itself() {
+    let server = common::OwnServer::start(&[]);
+    let db = server.migrated();
+    let (produced, lost, _, dead, _) = ledger_run(&db, "PostgreSQL restarted", || async {
+        // A fast stop (every session terminated), about 10 s down, then up again.
+        let down = Instant::now();
+        let s = &server;
+        tokio::task::block_in_place(|| s.stop("fast"));
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        tokio::task::block_in_place(|| s.start_again());
+        eprintln!("PostgreSQL was down for {:?}", down.elapsed());
+    })
+    .await;
+    assert!(lost.is_empty(), "lost: {lost:?}");
+    assert_eq!(dead, 0);
+    assert!(produced > 100, "the writer barely wrote: {produced}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_exhausted_for_twenty_seconds_the_relay_survives_and_recovers() {
+    let server = common::OwnServer::start(&["max_connections=30"]);
+    let db = server.migrated();
+    let url = db.url.clone();
+    let (produced, lost, _, dead, _) = ledger_run(&db, "connections exhausted", || async move {
+        // Other clients take every connection the server has left, and the relay's own are
+        // terminated (their slots taken too, as often as it takes), so it must reconnect while
+        // none is to be had.
+        let mut held: Vec<PgConnection> = Vec::new();
+        let grab = |held: &mut Vec<PgConnection>| {
+            while let Ok(c) = PgConnection::establish(&url) {
+                held.push(c);
+            }
+        };
+        let relay_backends = |c: &mut PgConnection| -> i64 {
+            #[derive(diesel::QueryableByName)]
+            struct N {
+                #[diesel(sql_type = diesel::sql_types::BigInt)]
+                n: i64,
+            }
+            diesel::sql_query(
+                "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity WHERE application_name = 'postbox'",
+            )
+            .get_result::<N>(c)
+            .unwrap()
+            .n
+        };
+        tokio::task::block_in_place(|| {
+            grab(&mut held);
+            while relay_backends(&mut held[0]) > 0 {
+                std::thread::sleep(Duration::from_millis(50));
+                grab(&mut held);
+            }
+        });
+        eprintln!("{} connections held by other clients for 20 s", held.len());
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        // Nothing of the relay got through meanwhile.
+        assert_eq!(tokio::task::block_in_place(|| relay_backends(&mut held[0])), 0);
+        drop(held);
+    })
+    .await;
+    assert!(lost.is_empty(), "lost: {lost:?}");
+    assert_eq!(dead, 0);
+    assert!(produced > 100, "the writer barely wrote: {produced}");
 }

@@ -319,3 +319,168 @@ pub fn ledger(
     let duplicates = delivered.values().map(|n| n - 1).sum();
     (produced.len(), lost, duplicates, dead.len())
 }
+
+/// A PostgreSQL server of a test's own (initdb in a temporary directory, trust auth, a free port),
+/// for faults that would disturb every other test on the shared server: a restart, connection
+/// exhaustion. Stopped and removed when dropped. Run as root, the server runs as user postgres.
+pub struct OwnServer {
+    dir: std::path::PathBuf,
+    bin: std::path::PathBuf,
+    pub port: u16,
+    settings: Vec<String>,
+}
+
+impl OwnServer {
+    /// Initialises and starts a server with `settings` (`name=value`).
+    pub fn start(settings: &[&str]) -> OwnServer {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .expect("PostgreSQL's server binaries in /usr/lib/postgresql")
+            .filter_map(|e| e.ok())
+            .map(|e| e.path().join("bin"))
+            .filter(|p| p.join("initdb").exists())
+            .max()
+            .expect("an initdb under /usr/lib/postgresql/*/bin");
+        let dir = std::env::temp_dir().join(format!(
+            "postbox-pg-{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let server = OwnServer {
+            dir,
+            bin,
+            port,
+            settings: settings.iter().map(|s| s.to_string()).collect(),
+        };
+        if Self::root() {
+            let ok = std::process::Command::new("chown")
+                .args(["postgres:postgres", server.dir.to_str().unwrap()])
+                .status()
+                .unwrap();
+            assert!(ok.success());
+        }
+        let data = server.dir.join("data");
+        server.run(
+            "initdb",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ],
+        );
+        server.start_again();
+        server
+    }
+
+    /// Whether this process runs as root (`/proc/self` belongs to the effective user).
+    fn root() -> bool {
+        std::fs::metadata("/proc/self")
+            .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+            .unwrap_or(false)
+    }
+
+    /// `tool` of the server's binaries, run as user postgres when this process is root.
+    fn command(&self, tool: &str) -> std::process::Command {
+        let path = self.bin.join(tool);
+        if Self::root() {
+            let mut c = std::process::Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(path);
+            c
+        } else {
+            std::process::Command::new(path)
+        }
+    }
+
+    fn run(&self, tool: &str, args: &[&str]) {
+        let out = self.command(tool).args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{tool} {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Starts the (stopped) server and waits until it accepts connections.
+    pub fn start_again(&self) {
+        let mut options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c full_page_writes=off",
+            self.port,
+            self.dir.display()
+        );
+        for s in &self.settings {
+            options.push_str(&format!(" -c {s}"));
+        }
+        let data = self.dir.join("data");
+        let log = self.dir.join("log");
+        self.run(
+            "pg_ctl",
+            &[
+                "-D",
+                data.to_str().unwrap(),
+                "-l",
+                log.to_str().unwrap(),
+                "-w",
+                "-o",
+                &options,
+                "start",
+            ],
+        );
+    }
+
+    /// Stops the server: `fast` (sessions are terminated, as on an orderly restart) or `immediate`.
+    pub fn stop(&self, mode: &str) {
+        let data = self.dir.join("data");
+        self.run(
+            "pg_ctl",
+            &["-D", data.to_str().unwrap(), "-m", mode, "-w", "stop"],
+        );
+    }
+
+    pub fn url(&self, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+
+    /// A database on this server with postbox's migrations applied.
+    pub fn migrated(&self) -> TestDb {
+        let mut admin = PgConnection::establish(&self.url("postgres")).unwrap();
+        diesel::sql_query("CREATE DATABASE postbox")
+            .execute(&mut admin)
+            .unwrap();
+        let url = self.url("postbox");
+        postbox::migrate(&mut PgConnection::establish(&url).unwrap()).unwrap();
+        // The name is not a database of the shared server: dropping this TestDb there is a no-op.
+        TestDb {
+            name: format!("postbox_own_{}_{}", std::process::id(), self.port),
+            url,
+        }
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        let data = self.dir.join("data");
+        let _ = self
+            .command("pg_ctl")
+            .args([
+                "-D",
+                data.to_str().unwrap(),
+                "-m",
+                "immediate",
+                "-w",
+                "stop",
+            ])
+            .output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
