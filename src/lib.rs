@@ -24,8 +24,8 @@
 //! ```no_run
 //! use diesel_async::{AsyncConnection, AsyncPgConnection};
 //! # async fn run() -> Result<(), postbox::Error> {
-//! let mut conn = AsyncPgConnection::establish("postgres://postgres@localhost/app").await?;
-//! postbox::migrate_async(&mut conn).await?;
+//! let conn = AsyncPgConnection::establish("postgres://postgres@localhost/app").await?;
+//! let (_applied, mut conn) = postbox::migrate_async(conn).await?;
 //! conn.transaction(async |conn| {
 //!     postbox::enqueue_async(conn, &postbox::Message::new("order.created").payload(&7)).await
 //! })

@@ -85,10 +85,10 @@ pub async fn migrate(settings: &Settings) -> Result<Vec<String>> {
             .map_err(|e| anyhow::anyhow!("create database {name}: {e}"))?;
         tracing::info!(database = %name, "created database");
     }
-    let mut conn = crate::store::connect::open(url)
+    let conn = crate::store::connect::open(url)
         .await
         .map_err(|e| anyhow::anyhow!("connect to {}: {e}", redact_url(url)))?;
-    Ok(crate::migrate_async(&mut conn).await?)
+    Ok(crate::migrate_async(conn).await?.0)
 }
 
 /// Opens the store, retrying with back-off while the database is unreachable (a relay that

@@ -387,15 +387,23 @@ fn migrations_run_sync_are_idempotent_and_revert() {
     db.exec("INSERT INTO postbox.messages (topic) VALUES ('t')");
 }
 
+/// diesel's harness runs on a blocking thread: a current-thread runtime (as `#[tokio::main(flavor =
+/// "current_thread")]` apps have) migrates as well.
+#[tokio::test]
+async fn async_migrations_run_on_a_current_thread_runtime() {
+    let db = TestDb::empty();
+    let (applied, _) = postbox::migrate_async(db.aconn().await).await.unwrap();
+    assert_eq!(applied.len(), MIGRATIONS);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrations_run_async_and_agree_with_sync_bookkeeping() {
     let db = TestDb::empty();
-    let mut conn = db.aconn().await;
-    assert_eq!(
-        postbox::migrate_async(&mut conn).await.unwrap().len(),
-        MIGRATIONS
-    );
-    assert!(postbox::migrate_async(&mut conn).await.unwrap().is_empty());
+    let conn = db.aconn().await;
+    let (applied, conn) = postbox::migrate_async(conn).await.unwrap();
+    assert_eq!(applied.len(), MIGRATIONS);
+    let (again, mut conn) = postbox::migrate_async(conn).await.unwrap();
+    assert!(again.is_empty());
     // The sync runner (and diesel CLI) see them as applied.
     assert!(postbox::migrate(&mut db.conn()).unwrap().is_empty());
     postbox::enqueue_async(&mut conn, &Message::new("t"))
