@@ -244,6 +244,10 @@ impl Metrics {
         ] {
             g.reset();
         }
+        // A topic with messages but none claimable has waited 0 s (a series, not an absence).
+        for r in rows.iter().filter(|r| r.metric == "depth") {
+            self.oldest_pending.with_label_values(&[&r.label]).set(0.0);
+        }
         let routes = self.routes.lock().expect("routes lock");
         for r in rows {
             if matches!(r.metric.as_str(), "depth" | "dead") {
@@ -426,6 +430,10 @@ mod tests {
             assert!(text.contains(series), "{series} missing:\n{text}");
         }
         assert!(!text.contains(r#"sink="log",topic="orders.new""#), "{text}");
+        assert!(
+            text.contains(r#"postbox_oldest_pending_age_seconds{topic="orders.new"} 0"#),
+            "{text}"
+        );
         // A topic no route serves gets no counters.
         assert!(
             !text
