@@ -1,18 +1,31 @@
-//! The relay's commands, behind the thin CLI in `main.rs`.
+//! The relay and its commands, behind the thin `main.rs`: the command line (`cli`) dispatches to a
+//! file per command group (`dead`, `enqueue`, `status`, `demo`); running the relay, migrating and
+//! the admin store are here, the metrics server in `serve`.
+
+pub mod cli;
+mod dead;
+mod demo;
+mod enqueue;
+mod serve;
+mod status;
+
+pub use dead::selector;
+pub use demo::{DemoSummary, demo};
+pub use enqueue::enqueue;
+pub use serve::serve_metrics;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use diesel_async::{AsyncConnection, SimpleAsyncConnection};
 use tokio_util::sync::CancellationToken;
 
+use crate::Error;
 use crate::config::{Settings, redact_url};
-use crate::engine::{Engine, Observer, RunReport, Settlement};
+use crate::engine::{Engine, RunReport};
 use crate::metrics::Metrics;
 use crate::sink::Sink;
 use crate::sink::log::LogSink;
-use crate::store::{DeadSelector, Store, Topics};
-use crate::{Error, Message};
+use crate::store::{Store, Topics};
 
 /// An error of the relay, with the exit code it maps to.
 #[derive(Debug, thiserror::Error)]
@@ -304,76 +317,6 @@ pub fn stall_limit(e: &crate::engine::EngineConfig) -> std::time::Duration {
     wait * 2 + std::time::Duration::from_secs(30)
 }
 
-/// Serves `/metrics`, `/healthz`, `/readyz` until `stop`.
-pub async fn serve_metrics(
-    addr: std::net::SocketAddr,
-    metrics: Arc<Metrics>,
-    stop: CancellationToken,
-) -> Result<tokio::task::JoinHandle<()>> {
-    use axum::http::{StatusCode, header};
-    use axum::routing::get;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| RelayError::Usage(format!("metrics.listen: cannot listen on {addr}: {e}")))?;
-    let m1 = metrics.clone();
-    let m2 = metrics.clone();
-    let app = axum::Router::new()
-        .route(
-            "/metrics",
-            get(move || {
-                let m = m1.clone();
-                async move {
-                    (
-                        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-                        m.render(),
-                    )
-                }
-            }),
-        )
-        .route(
-            "/healthz",
-            get(move || {
-                let m = m2.clone();
-                async move {
-                    match m.alive_at(std::time::Instant::now()) {
-                        Ok(()) => (StatusCode::OK, "ok\n".to_owned()),
-                        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
-                    }
-                }
-            }),
-        )
-        .route(
-            "/readyz",
-            get(move || {
-                let m = metrics.clone();
-                async move {
-                    match m.ready() {
-                        Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
-                        Err(why) => (
-                            StatusCode::SERVICE_UNAVAILABLE,
-                            format!("not ready: {why}\n"),
-                        ),
-                    }
-                }
-            }),
-        );
-    Ok(tokio::spawn(async move {
-        let _ = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await;
-    }))
-}
-
-/// Enqueues one message from the command line.
-pub async fn enqueue(settings: &Settings, msg: Message) -> Result<crate::Enqueued> {
-    msg.validate()
-        .map_err(|e| RelayError::Usage(e.to_string()))?;
-    let mut conn = crate::store::connect::open(&settings.database_url)
-        .await
-        .map_err(|e| anyhow::anyhow!("connect to {}: {e}", redact_url(&settings.database_url)))?;
-    Ok(crate::enqueue_async(&mut conn, &msg).await?)
-}
-
 /// Opens a store for the admin commands (status, dead ...), without retrying.
 pub async fn admin_store(settings: &Settings) -> Result<Store> {
     let store = Store::connect(&settings.database_url, 2)
@@ -390,163 +333,4 @@ pub async fn admin_store(settings: &Settings) -> Result<Store> {
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(store)
-}
-
-/// `dead replay` / `dead purge` selectors from the command line.
-pub fn selector(
-    ids: Vec<i64>,
-    topic: Option<String>,
-    older_than: Option<Duration>,
-    all: bool,
-) -> Result<DeadSelector> {
-    let given = usize::from(!ids.is_empty())
-        + usize::from(topic.is_some())
-        + usize::from(older_than.is_some())
-        + usize::from(all);
-    if given != 1 {
-        return Err(RelayError::Usage(
-            "choose exactly one of --id, --topic, --older-than, --all".into(),
-        ));
-    }
-    Ok(if !ids.is_empty() {
-        DeadSelector::Ids(ids)
-    } else if let Some(t) = topic {
-        DeadSelector::Topic(t)
-    } else if let Some(d) = older_than {
-        DeadSelector::OlderThan(d)
-    } else {
-        DeadSelector::All
-    })
-}
-
-/// Records end-to-end latencies (and passes everything to the metrics).
-struct Latencies {
-    inner: Arc<Metrics>,
-    seconds: std::sync::Mutex<Vec<f64>>,
-}
-
-impl Observer for Latencies {
-    fn claimed(&self, n: usize) {
-        self.inner.claimed(n);
-    }
-    fn settled(&self, topic: &str, sink: &str, what: Settlement, age: Duration) {
-        if what == Settlement::Delivered {
-            self.seconds
-                .lock()
-                .expect("latency lock")
-                .push(age.as_secs_f64());
-        }
-        self.inner.settled(topic, sink, what, age);
-    }
-    fn delivery(&self, sink: &str, n: usize, elapsed: Duration) {
-        self.inner.delivery(sink, n, elapsed);
-    }
-}
-
-/// What `demo` did.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DemoSummary {
-    pub orders: usize,
-    pub messages: u64,
-    pub seconds: f64,
-    pub p50_ms: f64,
-    pub p99_ms: f64,
-}
-
-/// Migrates, writes `orders` sample orders (each a business row and its message in one
-/// transaction, 4 writers) while a relay with the log sink runs, waits until every message is
-/// delivered, and summarises.
-pub async fn demo(settings: Settings, orders: usize) -> Result<DemoSummary> {
-    migrate(&settings).await?;
-    let url = settings.database_url.clone();
-    {
-        let mut conn = crate::store::connect::open(&url)
-            .await
-            .map_err(|e| anyhow::anyhow!("connect: {e}"))?;
-        conn.batch_execute(
-            "CREATE TABLE IF NOT EXISTS demo_orders (id bigserial PRIMARY KEY, customer text NOT NULL,
-                 total_cents bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
-        )
-        .await
-        .map_err(|e| anyhow::anyhow!("create demo_orders: {e}"))?;
-    }
-    let store = Store::connect(&url, crate::engine::DEFAULT_POOL_SIZE).await?;
-    let metrics = Metrics::new(&["log"]);
-    let observer = Arc::new(Latencies {
-        inner: metrics,
-        seconds: Default::default(),
-    });
-    let sink = Arc::new(LogSink::new(Topics::only(["demo.*"])));
-    let engine = Engine::builder(&url)
-        .store(store)
-        .sink_arc(sink)
-        .config(settings.engine.clone())
-        .observer(observer.clone())
-        .build()
-        .await?;
-    let counters = engine.counters();
-    let shutdown = CancellationToken::new();
-    let relay = tokio::spawn(engine.run(shutdown.clone()));
-
-    let started = Instant::now();
-    let writers: Vec<_> = (0..4)
-        .map(|w| {
-            let url = url.clone();
-            tokio::spawn(async move {
-                let mut conn = crate::store::connect::open(&url).await?;
-                for i in (w..orders).step_by(4) {
-                    let customer = format!("customer-{}", i % 97);
-                    let total = 500 + (i as i64 * 37) % 20_000;
-                    conn.transaction(async |c| {
-                        use diesel::sql_types::{BigInt, Text};
-                        use diesel_async::RunQueryDsl;
-                        #[derive(diesel::QueryableByName)]
-                        struct Id {
-                            #[diesel(sql_type = BigInt)]
-                            id: i64,
-                        }
-                        let order: Id = diesel::sql_query("INSERT INTO demo_orders (customer, total_cents) VALUES ($1, $2) RETURNING id")
-                            .bind::<Text, _>(&customer)
-                            .bind::<BigInt, _>(total)
-                            .get_result(c)
-                            .await?;
-                        let msg = Message::new("demo.order.created")
-                            .key(&customer)
-                            .ordered()
-                            .header("source", "postbox demo")
-                            .payload(&serde_json::json!({"order_id": order.id, "customer": customer, "total_cents": total}));
-                        crate::enqueue_async(c, &msg).await?;
-                        Ok::<_, Error>(())
-                    })
-                    .await?;
-                }
-                Ok::<_, anyhow::Error>(())
-            })
-        })
-        .collect();
-    for w in writers {
-        w.await.map_err(|e| anyhow::anyhow!("writer: {e}"))??;
-    }
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while counters.snapshot().delivered < orders as u64 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let seconds = started.elapsed().as_secs_f64();
-    shutdown.cancel();
-    let report = relay.await.map_err(|e| anyhow::anyhow!("relay: {e}"))??;
-    let mut lat = observer.seconds.lock().expect("latency lock").clone();
-    lat.sort_by(f64::total_cmp);
-    let pct = |p: f64| {
-        lat.get(((lat.len() as f64 - 1.0) * p).round() as usize)
-            .copied()
-            .unwrap_or(f64::NAN)
-            * 1000.0
-    };
-    Ok(DemoSummary {
-        orders,
-        messages: report.delivered,
-        seconds,
-        p50_ms: pct(0.5),
-        p99_ms: pct(0.99),
-    })
 }

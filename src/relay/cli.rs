@@ -1,0 +1,158 @@
+//! The command line: what `postbox` accepts, and the dispatch to each command's file.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+
+use super::RelayError;
+use super::dead::DeadCommand;
+use super::enqueue::EnqueueArgs;
+use crate::config::{Config, Overrides, Settings, parse_duration};
+
+#[derive(Parser)]
+#[command(
+    name = "postbox",
+    version,
+    about = "PostgreSQL transactional outbox relay"
+)]
+pub struct Cli {
+    /// Configuration file (TOML).
+    #[arg(long, global = true, env = "POSTBOX_CONFIG")]
+    config: Option<PathBuf>,
+    /// PostgreSQL URL (overrides POSTBOX_DATABASE_URL, DATABASE_URL and the file).
+    #[arg(long, global = true)]
+    database_url: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Create the database if it does not exist, run pending migrations.
+    Migrate,
+    /// Run the relay.
+    Run {
+        /// Exit 0 once nothing claimable is left.
+        #[arg(long)]
+        drain: bool,
+    },
+    /// Depth per topic and state, oldest pending age, dead letters, stalled ordered keys.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// The dead letters.
+    #[command(subcommand)]
+    Dead(DeadCommand),
+    /// Enqueue one message.
+    Enqueue(EnqueueArgs),
+    /// The configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+    /// Migrate, enqueue sample orders in transactions, relay them to the log sink, summarise.
+    Demo {
+        /// Orders to create.
+        #[arg(long, default_value_t = 2000)]
+        orders: usize,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum ConfigCommand {
+    /// Validate the configuration and print it with secrets redacted.
+    Check,
+}
+
+pub(super) fn duration(s: &str) -> Result<Duration, String> {
+    parse_duration(s)
+}
+
+pub(super) fn json(s: &str) -> Result<serde_json::Value, String> {
+    serde_json::from_str(s).map_err(|e| format!("not valid JSON: {e}"))
+}
+
+pub(super) fn header(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("{s:?} is not NAME=VALUE"))
+}
+
+fn settings(cli: &Cli) -> Result<Settings, RelayError> {
+    let file = match &cli.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| RelayError::Usage(format!("--config {}: {e}", path.display())))?;
+            Config::from_toml(&text)
+                .map_err(|e| RelayError::Usage(format!("{}: {e}", path.display())))?
+        }
+        None => Config::default(),
+    };
+    let mut env = Overrides::from_env();
+    if let Some(url) = &cli.database_url {
+        env.database_url = Some(url.clone());
+    }
+    file.resolve(env)
+        .map_err(|e| RelayError::Usage(e.to_string()))
+}
+
+fn signals(shutdown: CancellationToken, hard_stop: CancellationToken) {
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            return;
+        };
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        tracing::info!("shutting down (a second signal hands everything back at once)");
+        shutdown.cancel();
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        hard_stop.cancel();
+    });
+}
+
+/// Runs the command `cli` names.
+pub async fn execute(cli: Cli) -> Result<(), RelayError> {
+    let settings = settings(&cli)?;
+    match cli.command {
+        Command::Config(ConfigCommand::Check) => {
+            print!("{}", settings.to_redacted_toml());
+            eprintln!("configuration ok");
+        }
+        Command::Migrate => {
+            let applied = super::migrate(&settings).await?;
+            eprintln!(
+                "migrations applied: {}",
+                if applied.is_empty() {
+                    "none (up to date)".to_owned()
+                } else {
+                    applied.join(", ")
+                }
+            );
+        }
+        Command::Run { drain } => {
+            let (shutdown, hard_stop) = (CancellationToken::new(), CancellationToken::new());
+            signals(shutdown.clone(), hard_stop.clone());
+            super::run(settings, drain, shutdown, hard_stop).await?;
+        }
+        Command::Status { json } => super::status::run(&settings, json).await?,
+        Command::Dead(command) => super::dead::run(&settings, command).await?,
+        Command::Enqueue(args) => super::enqueue::run(&settings, args).await?,
+        Command::Demo { orders } => {
+            let s = super::demo(settings, orders).await?;
+            println!(
+                "demo: {} orders, {} messages relayed to the log sink in {:.2} s ({:.0} msg/s); end-to-end latency p50 {:.1} ms, p99 {:.1} ms",
+                s.orders,
+                s.messages,
+                s.seconds,
+                s.messages as f64 / s.seconds,
+                s.p50_ms,
+                s.p99_ms
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,135 @@
+//! `postbox dead list | replay | purge`.
+
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+
+use super::{RelayError, Result};
+use crate::config::Settings;
+use crate::store::DeadSelector;
+
+/// `dead replay` / `dead purge` selectors from the command line.
+pub fn selector(
+    ids: Vec<i64>,
+    topic: Option<String>,
+    older_than: Option<Duration>,
+    all: bool,
+) -> Result<DeadSelector> {
+    let given = usize::from(!ids.is_empty())
+        + usize::from(topic.is_some())
+        + usize::from(older_than.is_some())
+        + usize::from(all);
+    if given != 1 {
+        return Err(RelayError::Usage(
+            "choose exactly one of --id, --topic, --older-than, --all".into(),
+        ));
+    }
+    Ok(if !ids.is_empty() {
+        DeadSelector::Ids(ids)
+    } else if let Some(t) = topic {
+        DeadSelector::Topic(t)
+    } else if let Some(d) = older_than {
+        DeadSelector::OlderThan(d)
+    } else {
+        DeadSelector::All
+    })
+}
+
+#[derive(Subcommand)]
+pub enum DeadCommand {
+    /// List dead letters, oldest first.
+    List {
+        #[arg(long)]
+        topic: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put dead letters back into the queue (same ids, attempts reset).
+    Replay(Selector),
+    /// Delete dead letters for good.
+    Purge {
+        #[command(flatten)]
+        selector: Selector,
+        /// Dead for longer than this (e.g. 7d).
+        #[arg(long, value_parser = super::cli::duration)]
+        older_than: Option<Duration>,
+    },
+}
+
+#[derive(Args)]
+pub struct Selector {
+    /// These ids (repeatable).
+    #[arg(long = "id")]
+    pub ids: Vec<i64>,
+    /// Every dead letter of this topic.
+    #[arg(long)]
+    pub topic: Option<String>,
+    /// All of them.
+    #[arg(long)]
+    pub all: bool,
+}
+
+/// Runs a `dead` command (its arguments are checked before the database is reached).
+pub async fn run(settings: &Settings, command: DeadCommand) -> Result<()> {
+    let store = || super::admin_store(settings);
+    match command {
+        DeadCommand::List { topic, limit, json } => {
+            let dead = store()
+                .await?
+                .dead_list(topic.as_deref(), limit)
+                .await
+                .map_err(|e| RelayError::Runtime(e.into()))?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string(&dead).expect("dead letters serialize")
+                );
+            } else {
+                for d in &dead {
+                    println!(
+                        "#{} {} key={} attempts={}/{} dead_at={} reason: {}",
+                        d.id,
+                        d.topic,
+                        d.key.as_deref().unwrap_or("-"),
+                        d.attempts,
+                        d.max_attempts,
+                        d.dead_at.to_rfc3339(),
+                        d.reason
+                    );
+                }
+                eprintln!("{} dead letter(s)", dead.len());
+            }
+        }
+        DeadCommand::Replay(s) => {
+            let selector = selector(s.ids, s.topic, None, s.all)?;
+            let r = store()
+                .await?
+                .dead_replay(&selector)
+                .await
+                .map_err(|e| RelayError::Runtime(e.into()))?;
+            println!("replayed {}", r.replayed.len());
+            if !r.skipped.is_empty() {
+                println!(
+                    "skipped {} (a live message holds their dedup key): {:?}",
+                    r.skipped.len(),
+                    r.skipped
+                );
+            }
+        }
+        DeadCommand::Purge {
+            selector: s,
+            older_than,
+        } => {
+            let selector = selector(s.ids, s.topic, older_than, s.all)?;
+            let n = store()
+                .await?
+                .dead_purge(&selector)
+                .await
+                .map_err(|e| RelayError::Runtime(e.into()))?;
+            println!("purged {n}");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,70 @@
+//! `postbox status`: depth per topic and state, oldest pending age, dead letters, stalled keys.
+
+use super::{RelayError, Result};
+use crate::config::Settings;
+
+/// Prints the status, as a table or (`json`) as one JSON object.
+pub async fn run(settings: &Settings, json: bool) -> Result<()> {
+    let store = super::admin_store(settings).await?;
+    let stats = store
+        .stats()
+        .await
+        .map_err(|e| RelayError::Runtime(e.into()))?;
+    let stalled = store
+        .stalled_keys(100)
+        .await
+        .map_err(|e| RelayError::Runtime(e.into()))?;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"topics": stats.topics, "estimated": stats.estimated, "dead_total": stats.dead_total(), "stalled_keys": stalled})
+        );
+    } else {
+        println!(
+            "{:<32} {:>10} {:>10} {:>10} {:>10} {:>10} {:>14}",
+            "TOPIC", "AVAILABLE", "SCHEDULED", "RUNNING", "WAITING", "DEAD", "OLDEST (s)"
+        );
+        let approx = if stats.estimated { "~" } else { "" };
+        for t in &stats.topics {
+            let oldest = t
+                .oldest_available_secs
+                .map_or("-".to_owned(), |s| format!("{s:.1}"));
+            let n = |v: i64| format!("{approx}{v}");
+            println!(
+                "{:<32} {:>10} {:>10} {:>10} {:>10} {:>10} {:>14}",
+                t.topic,
+                n(t.available),
+                n(t.scheduled),
+                t.running,
+                n(t.waiting),
+                n(t.dead),
+                oldest
+            );
+        }
+        if stats.estimated {
+            println!(
+                "(~: estimated from a sample: the queue holds more than {} messages)",
+                crate::store::EXACT_LIMIT
+            );
+        }
+        println!("dead letters: {}", stats.dead_total());
+        if stalled.is_empty() {
+            println!("stalled ordered keys: none");
+        } else {
+            println!("stalled ordered keys:");
+            for s in &stalled {
+                println!(
+                    "  {} / {}: head #{} on attempt {}, {:.0}s old, {} waiting; last error: {}",
+                    s.topic,
+                    s.key,
+                    s.id,
+                    s.attempts,
+                    s.age_secs,
+                    s.waiting,
+                    s.last_error.as_deref().unwrap_or("-")
+                );
+            }
+        }
+    }
+    Ok(())
+}
