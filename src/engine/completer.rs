@@ -79,6 +79,7 @@ pub(crate) struct HandOver {
     shutdown: CancellationToken,
     health: Arc<super::producer::SinkHealth>,
     inflight: Arc<super::producer::InFlight>,
+    pauses: Arc<super::pauses::Pauses>,
     queue: Mutex<VecDeque<(Vec<ClaimedMessage>, OwnedSemaphorePermit)>>,
     /// Signalled when a batch is queued.
     pub(crate) queued: Notify,
@@ -92,8 +93,10 @@ impl HandOver {
         shutdown: CancellationToken,
         health: Arc<super::producer::SinkHealth>,
         inflight: Arc<super::producer::InFlight>,
+        pauses: Arc<super::pauses::Pauses>,
     ) -> Self {
         HandOver {
+            pauses,
             permits,
             chunk: chunk.max(1),
             lease,
@@ -107,7 +110,13 @@ impl HandOver {
 
     /// Permits for up to `wanted` messages, if the engine can take them now.
     pub(crate) fn reserve(&self, wanted: usize) -> Option<(OwnedSemaphorePermit, usize)> {
-        if wanted == 0 || self.shutdown.is_cancelled() || self.health.is_paused() {
+        // While a topic is paused nothing is handed over: the next messages of delivered heads
+        // become claimable, and claims leave out what is paused.
+        if wanted == 0
+            || self.shutdown.is_cancelled()
+            || self.health.is_paused()
+            || self.pauses.any()
+        {
             return None;
         }
         let chunks = wanted

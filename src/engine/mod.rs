@@ -26,6 +26,7 @@ mod held;
 pub mod maintenance;
 mod notifier;
 pub mod observer;
+mod pauses;
 mod producer;
 
 use std::sync::Arc;
@@ -264,6 +265,7 @@ impl Engine {
         let wake = Arc::new(Notify::new());
         let permits = Arc::new(tokio::sync::Semaphore::new(self.config.concurrency));
         let health = Arc::new(SinkHealth::new(self.config.max_unavailable_backoff));
+        let pauses = Arc::new(pauses::Pauses::new(self.sink.topics()));
         let hand_over = Arc::new(completer::HandOver::new(
             permits.clone(),
             self.sink.max_batch(),
@@ -271,6 +273,7 @@ impl Engine {
             shutdown.clone(),
             health.clone(),
             inflight.clone(),
+            pauses.clone(),
         ));
         let completer = tokio::spawn(completer::run(
             completer::Completer {
@@ -308,6 +311,11 @@ impl Engine {
             observer.clone(),
             background.clone(),
         ));
+        let watching = tokio::spawn(pauses::watch(
+            self.store.clone(),
+            pauses.clone(),
+            background.clone(),
+        ));
         let rescuer = tokio::spawn(
             Rescuer::new(self.store.clone(), self.config.rescue_interval).run(background.clone()),
         );
@@ -323,7 +331,7 @@ impl Engine {
         let producer = Arc::new(Producer {
             store: self.store.clone(),
             sink: self.sink.clone(),
-            topics: self.sink.topics(),
+            pauses: pauses.clone(),
             config: self.config.clone(),
             observer: observer.clone(),
             inflight: inflight.clone(),
@@ -387,6 +395,7 @@ impl Engine {
         background.cancel();
         let _ = heartbeat.await;
         let _ = rescuer.await;
+        let _ = watching.await;
         let _ = scheduler.await;
         if let Some(t) = notifier_task {
             let _ = t.await;

@@ -17,7 +17,7 @@ use super::config::{EngineConfig, LINGER_STEP, MAX_HOLDS};
 use super::notifier::Notifier;
 use super::observer::Observer;
 use crate::sink::{Outcome, Sink, Unavailable};
-use crate::store::{ClaimedMessage, Lease, Store, Topics};
+use crate::store::{ClaimedMessage, Lease, Store};
 
 /// In drain mode, the longest wait for the completer before claiming again.
 const DRAIN_POLL: Duration = Duration::from_millis(20);
@@ -222,7 +222,8 @@ impl ClaimRate {
 pub(crate) struct Producer {
     pub store: Store,
     pub sink: Arc<dyn Sink>,
-    pub topics: Topics,
+    /// What it serves minus the paused topics.
+    pub pauses: Arc<super::pauses::Pauses>,
     pub config: EngineConfig,
     pub observer: Arc<dyn Observer>,
     pub inflight: Arc<InFlight>,
@@ -414,7 +415,7 @@ impl Producer {
                 .take(
                     want,
                     self.config.hold_limit,
-                    &self.topics,
+                    &self.pauses.topics(),
                     after,
                     want * FOLLOWERS_PER_MESSAGE,
                 )
@@ -444,7 +445,7 @@ impl Producer {
         }
         let batch = self
             .store
-            .claim(want, self.config.lease, &self.topics)
+            .claim(want, self.config.lease, &self.pauses.topics())
             .await?;
         let got = batch.len();
         cursor.backlog = got >= want;

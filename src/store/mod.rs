@@ -17,6 +17,8 @@ mod hold;
 #[cfg(feature = "async")]
 mod listen;
 #[cfg(feature = "async")]
+mod pause;
+#[cfg(feature = "async")]
 mod schedule;
 #[cfg(feature = "async")]
 mod settle;
@@ -29,6 +31,7 @@ pub use self::{
     dead::{DeadLetter, DeadSelector, ReplayReport},
     hold::{Hold, HoldEnded},
     listen::{listen, register_listener, still_running, unregister_listener},
+    pause::unpaused,
     schedule::{PROMOTE_BATCH, Promoted},
     settle::{Dead, RESCUE_BATCH, Retry, RetryReport, Settled},
     stats::{
