@@ -36,6 +36,7 @@ pub struct Metrics {
     sink_up: GaugeVec,
     database_up: Gauge,
     notifier_connected: Gauge,
+    topic_paused: GaugeVec,
     database_ok: AtomicBool,
     /// When each engine (by sink) last made progress, and how long without it means stuck.
     alive: Mutex<HashMap<String, std::time::Instant>>,
@@ -197,6 +198,12 @@ impl Metrics {
                 "postbox_notifier_connected",
                 "1 while the LISTEN connection is up.",
             ),
+            topic_paused: gauge_vec(
+                &r,
+                "postbox_topic_paused",
+                "1 while the topic is paused (postbox pause), 0 otherwise.",
+                &["topic"],
+            ),
             database_ok: AtomicBool::new(false),
             alive: Mutex::new(HashMap::new()),
             stall_after: Mutex::new(None),
@@ -282,6 +289,23 @@ impl Metrics {
         }
         self.database_up.set(1.0);
         self.database_ok.store(true, Ordering::Release);
+    }
+
+    /// Sets `postbox_topic_paused` for every topic the sample shows (1 if a pause pattern matches
+    /// it) and for every paused exact name (a topic paused before it has messages).
+    pub fn apply_pauses(&self, patterns: &[String], sample: &[SampleRow]) {
+        self.topic_paused.reset();
+        let paused = Topics::only(patterns);
+        for r in sample
+            .iter()
+            .filter(|r| matches!(r.metric.as_str(), "depth" | "dead"))
+        {
+            let v = if paused.matches(&r.label) { 1.0 } else { 0.0 };
+            self.topic_paused.with_label_values(&[&r.label]).set(v);
+        }
+        for p in patterns.iter().filter(|p| !p.contains('*')) {
+            self.topic_paused.with_label_values(&[p]).set(1.0);
+        }
     }
 
     /// Ready: this pod can do its job — its database answers. A sink that is down is down for
@@ -441,6 +465,29 @@ mod tests {
                 .any(|l| l.contains("_total{") && l.contains(r#"topic="other""#)),
             "{text}"
         );
+    }
+
+    #[test]
+    fn paused_topics_read_1_and_the_others_0() {
+        let m = Metrics::new(&["log"]);
+        let row = |label: &str| SampleRow {
+            metric: "depth".to_owned(),
+            label: label.to_owned(),
+            state: "available".to_owned(),
+            value: 1.0,
+        };
+        m.apply_pauses(
+            &["emails.*".to_owned(), "later".to_owned()],
+            &[row("emails.welcome"), row("orders")],
+        );
+        let text = m.render();
+        for series in [
+            r#"postbox_topic_paused{topic="emails.welcome"} 1"#,
+            r#"postbox_topic_paused{topic="orders"} 0"#,
+            r#"postbox_topic_paused{topic="later"} 1"#,
+        ] {
+            assert!(text.contains(series), "{series} missing:\n{text}");
+        }
     }
 
     #[test]

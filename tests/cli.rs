@@ -651,3 +651,60 @@ async fn status_shows_a_stalled_ordered_key() {
         text(&out.stdout)
     );
 }
+
+#[test]
+fn pause_and_resume_topics_from_the_command_line_and_status_marks_them() {
+    let db = TestDb::migrated();
+    postbox::enqueue(&mut db.conn(), &Message::new("emails.welcome")).unwrap();
+    let url = db.url.as_str();
+    let out = postbox(&["--database-url", url, "pause", "emails.*", "reports"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "paused 2 (0 already paused)");
+    let out = postbox(&["--database-url", url, "pause", "reports"]);
+    assert_eq!(text(&out.stdout).trim(), "paused 1 (1 already paused)");
+
+    let out = postbox(&["--database-url", url, "status", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["paused"], serde_json::json!(["emails.*", "reports"]));
+    assert_eq!(v["paused_topics"], serde_json::json!(["emails.welcome"]));
+    let out = postbox(&["--database-url", url, "status"]);
+    let table = text(&out.stdout);
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("emails.welcome"))
+        .unwrap();
+    assert!(row.trim_end().ends_with("yes"), "{table}");
+    assert!(table.contains("paused: emails.*, reports"), "{table}");
+
+    // A relay leaves the paused topic alone (run --drain ends with it still queued).
+    let out = postbox(&["--database-url", url, "run", "--drain"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "", "a paused topic was relayed");
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 1);
+
+    let out = postbox(&["--database-url", url, "resume", "emails.*", "nothing"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "resumed 1");
+    assert!(
+        text(&out.stderr).contains("not paused"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = postbox(&["--database-url", url, "run", "--drain"]);
+    assert_eq!(
+        text(&out.stdout).lines().count(),
+        1,
+        "{}",
+        text(&out.stdout)
+    );
+
+    // Usage: no topic, or an empty one.
+    assert_eq!(
+        postbox(&["--database-url", url, "pause"]).status.code(),
+        Some(2)
+    );
+    assert_eq!(
+        postbox(&["--database-url", url, "pause", ""]).status.code(),
+        Some(2)
+    );
+}

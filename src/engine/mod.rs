@@ -311,6 +311,8 @@ impl Engine {
             observer.clone(),
             background.clone(),
         ));
+        // Before the first claim: a relay that starts must not take a paused topic.
+        pauses.load(&self.store).await;
         let watching = tokio::spawn(pauses::watch(
             self.store.clone(),
             pauses.clone(),

@@ -58,18 +58,26 @@ impl Pauses {
     }
 }
 
-/// Reads the pauses now, then every [`PAUSE_POLL`] until `stop` (a failed read keeps the last).
+impl Pauses {
+    /// Reads the pauses once (a failed read keeps the last).
+    pub(crate) async fn load(&self, store: &Store) {
+        match store.paused().await {
+            Ok(patterns) => self.set(patterns),
+            Err(e) => tracing::debug!(error = %e, "could not read the paused topics"),
+        }
+    }
+}
+
+/// Reads the pauses every [`PAUSE_POLL`] until `stop`.
 pub(crate) async fn watch(store: Store, pauses: Arc<Pauses>, stop: CancellationToken) {
     let mut tick = tokio::time::interval(PAUSE_POLL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = stop.cancelled() => return,
         }
-        match store.paused().await {
-            Ok(patterns) => pauses.set(patterns),
-            Err(e) => tracing::debug!(error = %e, "could not read the paused topics"),
-        }
+        pauses.load(&store).await;
     }
 }

@@ -9,6 +9,7 @@ use tokio_util::sync::CancellationToken;
 use super::RelayError;
 use super::dead::DeadCommand;
 use super::enqueue::EnqueueArgs;
+use super::pause::TopicArgs;
 use crate::config::{Config, Overrides, Settings, parse_duration};
 
 #[derive(Parser)]
@@ -48,6 +49,10 @@ pub enum Command {
     Dead(DeadCommand),
     /// Enqueue one message.
     Enqueue(EnqueueArgs),
+    /// Stop every relay and engine from claiming these topics (running deliveries finish).
+    Pause(TopicArgs),
+    /// Let paused topics be claimed again (the patterns as they were paused).
+    Resume(TopicArgs),
     /// The configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -141,6 +146,8 @@ pub async fn execute(cli: Cli) -> Result<(), RelayError> {
         Command::Status { json } => super::status::run(&settings, json).await?,
         Command::Dead(command) => super::dead::run(&settings, command).await?,
         Command::Enqueue(args) => super::enqueue::run(&settings, args).await?,
+        Command::Pause(args) => super::pause::pause(&settings, args).await?,
+        Command::Resume(args) => super::pause::resume(&settings, args).await?,
         Command::Demo { orders } => {
             let s = super::demo(settings, orders).await?;
             println!(

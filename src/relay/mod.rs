@@ -6,6 +6,7 @@ pub mod cli;
 mod dead;
 mod demo;
 mod enqueue;
+mod pause;
 mod serve;
 mod status;
 
@@ -285,7 +286,12 @@ async fn sample(store: Store, metrics: Arc<Metrics>, every: Duration, stop: Canc
             _ = stop.cancelled() => return,
         }
         match store.sample(every).await {
-            Ok(rows) => metrics.apply_sample(Ok(&rows)),
+            Ok(rows) => {
+                metrics.apply_sample(Ok(&rows));
+                if let Ok(paused) = store.paused().await {
+                    metrics.apply_pauses(&paused, &rows);
+                }
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "database sample failed");
                 metrics.apply_sample(Err(()));

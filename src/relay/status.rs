@@ -14,15 +14,27 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
         .stalled_keys(100)
         .await
         .map_err(|e| RelayError::Runtime(e.into()))?;
+    let paused = store
+        .paused()
+        .await
+        .map_err(|e| RelayError::Runtime(e.into()))?;
+    let matcher = crate::store::Topics::only(&paused);
+    let is_paused = |topic: &str| !paused.is_empty() && matcher.matches(topic);
     if json {
+        let paused_topics: Vec<&str> = stats
+            .topics
+            .iter()
+            .map(|t| t.topic.as_str())
+            .filter(|t| is_paused(t))
+            .collect();
         println!(
             "{}",
-            serde_json::json!({"topics": stats.topics, "estimated": stats.estimated, "dead_total": stats.dead_total(), "stalled_keys": stalled})
+            serde_json::json!({"topics": stats.topics, "estimated": stats.estimated, "dead_total": stats.dead_total(), "stalled_keys": stalled, "paused": paused, "paused_topics": paused_topics})
         );
     } else {
         println!(
-            "{:<32} {:>10} {:>10} {:>10} {:>10} {:>10} {:>14}",
-            "TOPIC", "AVAILABLE", "SCHEDULED", "RUNNING", "WAITING", "DEAD", "OLDEST (s)"
+            "{:<32} {:>10} {:>10} {:>10} {:>10} {:>10} {:>14} {:>7}",
+            "TOPIC", "AVAILABLE", "SCHEDULED", "RUNNING", "WAITING", "DEAD", "OLDEST (s)", "PAUSED"
         );
         let approx = if stats.estimated { "~" } else { "" };
         for t in &stats.topics {
@@ -31,14 +43,15 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
                 .map_or("-".to_owned(), |s| format!("{s:.1}"));
             let n = |v: i64| format!("{approx}{v}");
             println!(
-                "{:<32} {:>10} {:>10} {:>10} {:>10} {:>10} {:>14}",
+                "{:<32} {:>10} {:>10} {:>10} {:>10} {:>10} {:>14} {:>7}",
                 t.topic,
                 n(t.available),
                 n(t.scheduled),
                 t.running,
                 n(t.waiting),
                 n(t.dead),
-                oldest
+                oldest,
+                if is_paused(&t.topic) { "yes" } else { "" }
             );
         }
         if stats.estimated {
@@ -48,6 +61,11 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
             );
         }
         println!("dead letters: {}", stats.dead_total());
+        if paused.is_empty() {
+            println!("paused: none");
+        } else {
+            println!("paused: {}", paused.join(", "));
+        }
         if stalled.is_empty() {
             println!("stalled ordered keys: none");
         } else {
