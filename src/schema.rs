@@ -50,6 +50,7 @@ pub mod postbox {
             created_at -> Timestamptz,
             dedup_key -> Nullable<Text>,
             state -> MessageState,
+            cancelled -> Bool,
         }
     }
 

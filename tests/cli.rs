@@ -708,3 +708,37 @@ fn pause_and_resume_topics_from_the_command_line_and_status_marks_them() {
         Some(2)
     );
 }
+
+#[test]
+fn cancel_from_the_command_line_prints_how_many_and_refuses_a_vague_selector() {
+    let db = TestDb::migrated();
+    let ids = postbox::enqueue_many(
+        &mut db.conn(),
+        &[Message::new("c"), Message::new("c"), Message::new("d")],
+    )
+    .unwrap();
+    let url = db.url.as_str();
+    let out = postbox(&["--database-url", url, "cancel", "--topic", "c"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).starts_with("cancelled 2 (moved to the dead letters"),
+        "{}",
+        text(&out.stdout)
+    );
+    let d = ids[2].id().unwrap().to_string();
+    let out = postbox(&["--database-url", url, "cancel", "--id", &d]);
+    assert!(
+        text(&out.stdout).starts_with("cancelled 1 "),
+        "{}",
+        text(&out.stdout)
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters WHERE reason = 'cancelled'"),
+        3
+    );
+    for vague in [vec!["cancel"], vec!["cancel", "--topic", "c", "--id", "1"]] {
+        let mut args = vec!["--database-url", url];
+        args.extend(vague);
+        assert_eq!(postbox(&args).status.code(), Some(2));
+    }
+}

@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use super::RelayError;
+use super::cancel::CancelArgs;
 use super::dead::DeadCommand;
 use super::enqueue::EnqueueArgs;
 use super::pause::TopicArgs;
@@ -53,6 +54,9 @@ pub enum Command {
     Pause(TopicArgs),
     /// Let paused topics be claimed again (the patterns as they were paused).
     Resume(TopicArgs),
+    /// Move pending and scheduled messages to the dead letters (reason "cancelled"); running ones
+    /// finish their current attempt and are not retried.
+    Cancel(CancelArgs),
     /// The configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -148,6 +152,7 @@ pub async fn execute(cli: Cli) -> Result<(), RelayError> {
         Command::Enqueue(args) => super::enqueue::run(&settings, args).await?,
         Command::Pause(args) => super::pause::pause(&settings, args).await?,
         Command::Resume(args) => super::pause::resume(&settings, args).await?,
+        Command::Cancel(args) => super::cancel::run(&settings, args).await?,
         Command::Demo { orders } => {
             let s = super::demo(settings, orders).await?;
             println!(

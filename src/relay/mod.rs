@@ -2,6 +2,7 @@
 //! file per command group (`dead`, `enqueue`, `status`, `demo`); running the relay, migrating and
 //! the admin store are here, the metrics server in `serve`.
 
+mod cancel;
 pub mod cli;
 mod dead;
 mod demo;

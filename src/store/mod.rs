@@ -7,6 +7,8 @@
 pub mod migrate;
 
 #[cfg(feature = "async")]
+mod cancel;
+#[cfg(feature = "async")]
 mod claim;
 #[cfg(feature = "async")]
 pub mod connect;
@@ -27,6 +29,7 @@ mod stats;
 
 #[cfg(feature = "async")]
 pub use self::{
+    cancel::{CancelSelector, Cancelled},
     claim::{ClaimedMessage, Topics},
     dead::{DeadLetter, DeadSelector, ReplayReport},
     hold::{Hold, HoldEnded},

@@ -1,4 +1,4 @@
-//! Paused topics (see the migration `topic_pauses`): patterns in `postbox.pauses`, read by every
+//! Paused topics (see the migration `pause_and_cancel`): patterns in `postbox.pauses`, read by every
 //! engine every second.
 
 use diesel::QueryableByName;

@@ -159,7 +159,7 @@ WITH input AS (
 ),
 exhausted AS (
     DELETE FROM postbox.messages m USING input i
-    WHERE m.id = i.id AND m.lease_token = i.token AND m.attempts >= m.max_attempts
+    WHERE m.id = i.id AND m.lease_token = i.token AND (m.attempts >= m.max_attempts OR m.cancelled)
     RETURNING m.*, i.error AS error
 ),
 "#,
@@ -172,7 +172,8 @@ buried AS (
     SELECT "#,
     dead_columns!(),
     r#", coalesce(first_error, error), error,
-           format('attempts exhausted (%s of %s): %s', attempts, max_attempts, error)
+           CASE WHEN cancelled THEN 'cancelled'
+                ELSE format('attempts exhausted (%s of %s): %s', attempts, max_attempts, error) END
     FROM exhausted, heads
     RETURNING id
 ),
@@ -186,7 +187,7 @@ retried AS (
     backoff_sql!("$5", "$6", "$7"),
     r#"))
     FROM input i
-    WHERE m.id = i.id AND m.lease_token = i.token AND m.attempts < m.max_attempts
+    WHERE m.id = i.id AND m.lease_token = i.token AND m.attempts < m.max_attempts AND NOT m.cancelled
     RETURNING m.id
 )
 SELECT id, false AS dead FROM retried
@@ -248,7 +249,7 @@ WITH expired AS (
 ),
 exhausted AS (
     DELETE FROM postbox.messages m USING expired e
-    WHERE m.id = e.id AND m.attempts >= m.max_attempts
+    WHERE m.id = e.id AND (m.attempts >= m.max_attempts OR m.cancelled)
     RETURNING m.*
 ),
 "#,
@@ -262,7 +263,8 @@ buried AS (
     dead_columns!(),
     r#", coalesce(first_error, format('lease expired on attempt %s (held by %s)', attempts, locked_by)),
            format('lease expired on attempt %s (held by %s)', attempts, locked_by),
-           format('attempts exhausted (%s of %s): lease expired (held by %s)', attempts, max_attempts, locked_by)
+           CASE WHEN cancelled THEN 'cancelled'
+                ELSE format('attempts exhausted (%s of %s): lease expired (held by %s)', attempts, max_attempts, locked_by) END
     FROM exhausted, heads
     RETURNING id
 ),
@@ -275,7 +277,7 @@ back AS (
     backoff_sql!("$2", "$3", "$4"),
     r#")
     FROM expired e
-    WHERE m.id = e.id AND m.attempts < m.max_attempts
+    WHERE m.id = e.id AND m.attempts < m.max_attempts AND NOT m.cancelled
     RETURNING m.id
 )
 SELECT id, false AS dead FROM back

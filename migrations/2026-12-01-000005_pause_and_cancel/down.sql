@@ -1,0 +1,2 @@
+ALTER TABLE postbox.messages DROP COLUMN cancelled;
+DROP TABLE postbox.pauses;

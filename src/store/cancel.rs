@@ -1,0 +1,133 @@
+//! Cancelling messages: those not running go to the dead letters with reason `cancelled` (they can
+//! be replayed like any dead letter); a running one finishes its current attempt and, should that
+//! fail or its lease expire, is dead-lettered the same way instead of retried.
+
+use diesel::QueryableByName;
+use diesel::sql_types::{Array, BigInt, Nullable, Text};
+use diesel_async::{AsyncConnection, RunQueryDsl};
+
+use super::Store;
+use crate::error::{Error, Result};
+use crate::message::MessageId;
+
+/// Which messages to cancel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CancelSelector {
+    /// These ids.
+    Ids(Vec<MessageId>),
+    /// Every live message of this topic.
+    Topic(String),
+}
+
+/// What a cancel did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Cancelled {
+    /// Moved to the dead letters (pending, scheduled or waiting).
+    pub dead: usize,
+    /// Running: they finish their current attempt and are not retried.
+    pub running: usize,
+}
+
+/// The messages chosen, locked (a held batch that has them is waited for: at most its hold limit).
+const CHOOSE: &str = "SELECT id FROM postbox.messages
+WHERE id = ANY($1::bigint[]) OR ($2::text IS NOT NULL AND topic = $2)
+ORDER BY id FOR UPDATE";
+
+/// Those not running, to the dead letters; the heads among them, for the promotion of their keys.
+const BURY: &str = "WITH gone AS (
+    DELETE FROM postbox.messages m WHERE m.id = ANY($1::bigint[]) AND m.state <> 'running'
+    RETURNING m.*
+),
+buried AS (
+    INSERT INTO postbox.dead_letters (id, topic, key, ordered, payload, headers, priority, attempts,
+        max_attempts, created_at, dedup_key, first_error, last_error, reason)
+    SELECT id, topic, key, ordered, payload, headers, priority, attempts, max_attempts, created_at,
+        dedup_key, first_error, last_error, 'cancelled'
+    FROM gone
+    RETURNING id
+)
+SELECT (SELECT count(*) FROM buried) AS n,
+       array_agg(topic) FILTER (WHERE ordered AND state <> 'waiting') AS topics,
+       array_agg(key) FILTER (WHERE ordered AND state <> 'waiting') AS keys,
+       array_agg(id) FILTER (WHERE ordered AND state <> 'waiting') AS ids
+FROM gone";
+
+const PROMOTE: &str = "SELECT postbox.promote_after($1, $2, $3) AS n";
+
+const MARK_RUNNING: &str = "UPDATE postbox.messages SET cancelled = true
+WHERE id = ANY($1::bigint[]) AND state = 'running' RETURNING id";
+
+#[derive(QueryableByName)]
+struct Id {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+}
+
+#[derive(QueryableByName)]
+struct Buried {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+    #[diesel(sql_type = Nullable<Array<Text>>)]
+    topics: Option<Vec<String>>,
+    #[diesel(sql_type = Nullable<Array<Text>>)]
+    keys: Option<Vec<String>>,
+    #[diesel(sql_type = Nullable<Array<BigInt>>)]
+    ids: Option<Vec<i64>>,
+}
+
+#[derive(QueryableByName)]
+struct N {
+    #[diesel(sql_type = diesel::sql_types::Integer)]
+    #[allow(dead_code)]
+    n: i32,
+}
+
+impl Store {
+    /// Cancels messages (see the module): in one transaction, those not running move to the dead
+    /// letters with reason `cancelled` (the next message of an ordered key whose head went is
+    /// promoted), the running ones are marked so that they are not retried.
+    pub async fn cancel(&self, selector: &CancelSelector) -> Result<Cancelled> {
+        let (ids, topic): (&[i64], Option<&str>) = match selector {
+            CancelSelector::Ids(ids) if !ids.is_empty() => (ids, None),
+            CancelSelector::Topic(t) if !t.is_empty() => (&[], Some(t)),
+            _ => {
+                return Err(Error::InvalidArgument {
+                    field: "cancel",
+                    problem: "name the ids or the topic to cancel".into(),
+                });
+            }
+        };
+        let mut conn = self.conn().await?;
+        let (dead, running) = conn
+            .transaction(async |conn| {
+                let chosen: Vec<i64> = diesel::sql_query(CHOOSE)
+                    .bind::<Array<BigInt>, _>(ids)
+                    .bind::<Nullable<Text>, _>(topic)
+                    .load::<Id>(conn)
+                    .await?
+                    .into_iter()
+                    .map(|r| r.id)
+                    .collect();
+                let buried: Buried = diesel::sql_query(BURY)
+                    .bind::<Array<BigInt>, _>(&chosen)
+                    .get_result(conn)
+                    .await?;
+                if let (Some(t), Some(k), Some(i)) = (buried.topics, buried.keys, buried.ids) {
+                    diesel::sql_query(PROMOTE)
+                        .bind::<Array<Text>, _>(t)
+                        .bind::<Array<Text>, _>(k)
+                        .bind::<Array<BigInt>, _>(i)
+                        .get_result::<N>(conn)
+                        .await?;
+                }
+                let running = diesel::sql_query(MARK_RUNNING)
+                    .bind::<Array<BigInt>, _>(&chosen)
+                    .load::<Id>(conn)
+                    .await?
+                    .len();
+                Ok::<_, diesel::result::Error>((buried.n as usize, running))
+            })
+            .await?;
+        Ok(Cancelled { dead, running })
+    }
+}
