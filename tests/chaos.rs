@@ -450,10 +450,22 @@ async fn connections_exhausted_for_twenty_seconds_the_relay_survives_and_recover
                 grab(&mut held);
             }
         });
-        eprintln!("{} connections held by other clients for 20 s", held.len());
-        tokio::time::sleep(Duration::from_secs(20)).await;
-        // Nothing of the relay got through meanwhile.
-        assert_eq!(tokio::task::block_in_place(|| relay_backends(&mut held[0])), 0);
+        // For 20 s: a slot that frees (a terminated backend going away) is taken at once, and a
+        // relay connection that slipped into one is terminated again.
+        let start = Instant::now();
+        let mut slipped = 0;
+        while start.elapsed() < Duration::from_secs(20) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            slipped += tokio::task::block_in_place(|| {
+                let n = relay_backends(&mut held[0]);
+                grab(&mut held);
+                n
+            });
+        }
+        eprintln!(
+            "{} connections held by other clients for 20 s ({slipped} relay connections got a freed slot and were terminated)",
+            held.len()
+        );
         drop(held);
     })
     .await;
