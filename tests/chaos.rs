@@ -106,67 +106,35 @@ async fn a_relay_crashing_every_two_seconds_next_to_another_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_relay_backend_terminated_twice_a_second_for_thirty_seconds_loses_nothing() {
     let db = TestDb::migrated();
-    create_ledger(&db);
-    let delivered: Delivered = Arc::default();
-    let engine = Engine::builder(db.url.clone())
-        .handlers(recording(&delivered))
-        .config(chaos_config())
-        .build()
-        .await
-        .unwrap();
-    let stop_engine = CancellationToken::new();
-    let task = tokio::spawn(engine.run(stop_engine.clone()));
-
-    let stop_writing = Arc::new(AtomicBool::new(false));
-    let w = ledger_writer(db.url.clone(), "chaos", stop_writing.clone());
+    let url = db.url.clone();
+    let terminated = Arc::new(std::sync::atomic::AtomicI64::new(0));
+    let t = terminated.clone();
     // The faults: every connection of the relay (application_name 'postbox') terminated, twice a
-    // second.
-    let mut killer = db.conn();
-    let mut terminated = 0;
-    let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(30) {
-        #[derive(diesel::QueryableByName)]
-        struct N {
-            #[diesel(sql_type = diesel::sql_types::BigInt)]
-            n: i64,
+    // second; recovery without restarting the relay.
+    let (produced, lost, _, dead, _) = ledger_run(&db, "backends terminated", || async move {
+        let mut killer = PgConnection::establish(&url).unwrap();
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(30) {
+            #[derive(diesel::QueryableByName)]
+            struct N {
+                #[diesel(sql_type = diesel::sql_types::BigInt)]
+                n: i64,
+            }
+            let n: N = diesel::sql_query(
+                "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity
+                 WHERE datname = current_database() AND application_name = 'postbox'",
+            )
+            .get_result(&mut killer)
+            .unwrap();
+            t.fetch_add(n.n, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
-        let n: N = diesel::sql_query(
-            "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity
-             WHERE datname = current_database() AND application_name = 'postbox'",
-        )
-        .get_result(&mut killer)
-        .unwrap();
-        terminated += n.n;
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    stop_writing.store(true, Ordering::Release);
-    let produced_count = tokio::task::spawn_blocking(move || w.join().unwrap())
-        .await
-        .unwrap();
-    let faults_ended = Instant::now();
-
-    // Recovery: everything produced is delivered, without restarting the relay.
-    let recovered = eventually(Duration::from_secs(60), || async {
-        db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
     })
     .await;
-    let recovery = faults_ended.elapsed();
-    stop_engine.cancel();
-    task.await.unwrap().unwrap();
-
-    let delivered = delivered.lock().unwrap().clone();
-    let (produced, lost, duplicates, dead) = ledger(&db, &delivered);
-    eprintln!(
-        "chaos (backends terminated): produced {produced} ({produced_count} commits seen by the \
-         writer), {terminated} backends terminated, delivered {}, duplicates {duplicates}, lost {}, \
-         dead {dead}, recovered in {recovery:?}",
-        delivered.len(),
-        lost.len()
-    );
-    assert!(recovered);
+    eprintln!("{} backends terminated", terminated.load(Ordering::Relaxed));
     assert!(lost.is_empty(), "lost: {lost:?}");
     assert_eq!(dead, 0);
-    assert!(terminated > 0);
+    assert!(terminated.load(Ordering::Relaxed) > 0);
     assert!(produced > 100, "the writer barely wrote: {produced}");
 }
 
