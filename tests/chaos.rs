@@ -41,63 +41,36 @@ fn chaos_config() -> EngineConfig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_crashing_every_two_seconds_next_to_another_loses_nothing() {
     let db = TestDb::migrated();
-    create_ledger(&db);
-    let delivered: Delivered = Arc::default();
-    let steady = Engine::builder(db.url.clone())
-        .handlers(recording(&delivered))
-        .config(chaos_config())
-        .build()
-        .await
-        .unwrap();
-    let stop_steady = CancellationToken::new();
-    let steady = tokio::spawn(steady.run(stop_steady.clone()));
-    let stop_writing = Arc::new(AtomicBool::new(false));
-    let w = ledger_writer(db.url.clone(), "chaos", stop_writing.clone());
+    let url = db.url.clone();
+    let crashes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let c = crashes.clone();
     // The other relay runs on a runtime of its own, dropped every 2 s without any shutdown: its
     // tasks stop where they are and its connections close, as when the process is killed.
-    let start = Instant::now();
-    let mut crashes = 0;
-    while start.elapsed() < Duration::from_secs(10) {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        let (url, handlers) = (db.url.clone(), recording(&delivered));
-        rt.spawn(async move {
-            let engine = Engine::builder(url)
-                .handlers(handlers)
-                .config(chaos_config())
+    let (produced, lost, _, dead, _) = ledger_run(&db, "relay crashed", |delivered| async move {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
                 .build()
-                .await
                 .unwrap();
-            let _ = engine.run(CancellationToken::new()).await;
-        });
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        rt.shutdown_background();
-        crashes += 1;
-    }
-    stop_writing.store(true, Ordering::Release);
-    tokio::task::spawn_blocking(move || w.join().unwrap())
-        .await
-        .unwrap();
-    let faults_ended = Instant::now();
-    let recovered = eventually(Duration::from_secs(60), || async {
-        db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
+            let (url, handlers) = (url.clone(), recording(&delivered));
+            rt.spawn(async move {
+                let engine = Engine::builder(url)
+                    .handlers(handlers)
+                    .config(chaos_config())
+                    .build()
+                    .await
+                    .unwrap();
+                let _ = engine.run(CancellationToken::new()).await;
+            });
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            rt.shutdown_background();
+            c.fetch_add(1, Ordering::Relaxed);
+        }
     })
     .await;
-    let recovery = faults_ended.elapsed();
-    stop_steady.cancel();
-    steady.await.unwrap().unwrap();
-    let delivered = delivered.lock().unwrap().clone();
-    let (produced, lost, duplicates, dead) = ledger(&db, &delivered);
-    eprintln!(
-        "chaos (relay crashed {crashes} times): produced {produced}, delivered {}, duplicates \
-         {duplicates}, lost {}, dead {dead}, recovered in {recovery:?}",
-        delivered.len(),
-        lost.len()
-    );
-    assert!(recovered);
+    eprintln!("{} crashes", crashes.load(Ordering::Relaxed));
     assert!(lost.is_empty(), "lost: {lost:?}");
     assert_eq!(dead, 0);
     assert!(produced > 100, "the writer barely wrote: {produced}");
@@ -111,7 +84,7 @@ async fn every_relay_backend_terminated_twice_a_second_for_thirty_seconds_loses_
     let t = terminated.clone();
     // The faults: every connection of the relay (application_name 'postbox') terminated, twice a
     // second; recovery without restarting the relay.
-    let (produced, lost, _, dead, _) = ledger_run(&db, "backends terminated", || async move {
+    let (produced, lost, _, dead, _) = ledger_run(&db, "backends terminated", |_| async move {
         let mut killer = PgConnection::establish(&url).unwrap();
         let start = Instant::now();
         while start.elapsed() < Duration::from_secs(30) {
@@ -313,16 +286,17 @@ async fn a_message_that_crashes_its_relay_every_time_ends_in_the_dead_letters() 
     assert!((3..=6).contains(&calls), "delivered {calls} times");
 }
 
-/// Runs `engine`'s deliveries against `db` while a writer produces, calls `fault` (given the time
-/// the faults may take), then stops the writer and waits for the queue to empty. Prints the ledger
-/// and returns (produced, lost, duplicates, dead, recovery time).
+/// Runs a relay's deliveries against `db` while a writer produces, calls `fault` (given the time
+/// the faults may take, and the delivery record, for relays of its own), then stops the writer and
+/// waits for the queue to empty. Prints the ledger and returns (produced, lost, duplicates, dead,
+/// recovery time).
 async fn ledger_run<F, Fut>(
     db: &TestDb,
     name: &str,
     fault: F,
 ) -> (usize, Vec<i64>, u32, usize, Duration)
 where
-    F: FnOnce() -> Fut,
+    F: FnOnce(Delivered) -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
     create_ledger(db);
@@ -338,7 +312,7 @@ where
     let stop_writing = Arc::new(AtomicBool::new(false));
     let w = ledger_writer(db.url.clone(), "chaos", stop_writing.clone());
     tokio::time::sleep(Duration::from_secs(2)).await;
-    fault().await;
+    fault(delivered.clone()).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     stop_writing.store(true, Ordering::Release);
     let commits = tokio::task::spawn_blocking(move || w.join().unwrap())
@@ -368,7 +342,7 @@ where
 async fn postgres_restarted_mid_drain_loses_nothing_and_the_relay_recovers_by_itself() {
     let server = common::OwnServer::start(&[]);
     let db = server.migrated();
-    let (produced, lost, _, dead, _) = ledger_run(&db, "PostgreSQL restarted", || async {
+    let (produced, lost, _, dead, _) = ledger_run(&db, "PostgreSQL restarted", |_| async {
         // A fast stop (every session terminated), about 10 s down, then up again.
         let down = Instant::now();
         let s = &server;
@@ -388,7 +362,7 @@ async fn connections_exhausted_for_twenty_seconds_the_relay_survives_and_recover
     let server = common::OwnServer::start(&["max_connections=30"]);
     let db = server.migrated();
     let url = db.url.clone();
-    let (produced, lost, _, dead, _) = ledger_run(&db, "connections exhausted", || async move {
+    let (produced, lost, _, dead, _) = ledger_run(&db, "connections exhausted", |_| async move {
         // Other clients take every connection the server has left, and the relay's own are
         // terminated (their slots taken too, as often as it takes), so it must reconnect while
         // none is to be had.
