@@ -15,7 +15,7 @@ use tokio::task::JoinSet;
 
 use super::completer::{Settle, SettleKind};
 use super::observer::Settlement;
-use super::producer::{Producer, deliver_chunk, settle};
+use super::producer::{Producer, chunks, deliver_chunk, settle};
 use crate::message::MessageId;
 use crate::store::{ClaimedMessage, Hold, Lease};
 
@@ -102,12 +102,7 @@ pub(crate) async fn run(
     let leases: Vec<Lease> = batch.iter().map(|m| m.lease()).collect();
     let (tx, rx) = mpsc::channel(batch.len().max(1));
     let mut deliveries = JoinSet::new();
-    let mut rest = batch.into_iter().peekable();
-    while rest.peek().is_some() {
-        let permit = permits
-            .split(1)
-            .expect("a permit was reserved for every chunk");
-        let part: Vec<ClaimedMessage> = rest.by_ref().take(chunk).collect();
+    for (part, permit) in chunks(batch, chunk, &mut permits) {
         deliveries.spawn(deliver(p.clone(), part, permit, tx.clone(), chains.clone()));
     }
     drop((permits, tx));

@@ -459,16 +459,16 @@ impl Producer {
 
     /// Starts one delivery per chunk of leased messages, each holding one of the reserved permits.
     fn dispatch(
-        &self,
+        self: &Arc<Self>,
         batch: Vec<ClaimedMessage>,
         chunk: usize,
         reserved: &mut OwnedSemaphorePermit,
         tasks: &mut JoinSet<()>,
     ) {
         self.inflight.add(&batch); // again for handed-over batches: no harm
-        let tx = self.settle_tx.clone();
-        let inflight = Some(self.inflight.clone());
-        self.spawn_deliveries(batch, chunk, reserved, tasks, tx, inflight);
+        for (part, permit) in chunks(batch, chunk, reserved) {
+            tasks.spawn(deliver(self.clone(), part, permit));
+        }
     }
 
     /// The delivery timeout of a chunk: the longest of its topics'.
@@ -478,57 +478,33 @@ impl Producer {
             .max()
             .unwrap_or(self.config.delivery_timeout)
     }
+}
 
-    /// One delivery per chunk, each holding one of the reserved permits; outcomes go to `tx`
-    /// (and out of `inflight`, for leased messages).
-    pub(crate) fn spawn_deliveries(
-        &self,
-        batch: Vec<ClaimedMessage>,
-        chunk: usize,
-        reserved: &mut OwnedSemaphorePermit,
-        tasks: &mut JoinSet<()>,
-        tx: mpsc::Sender<Settle>,
-        inflight: Option<Arc<InFlight>>,
-    ) {
-        let mut rest = batch.into_iter().peekable();
-        while rest.peek().is_some() {
-            let permit = reserved
-                .split(1)
-                .expect("a permit was reserved for every chunk");
-            let part: Vec<ClaimedMessage> = rest.by_ref().take(chunk).collect();
-            let timeout = self.timeout_of(&part);
-            tasks.spawn(deliver(
-                self.sink.clone(),
-                part,
-                timeout,
-                permit,
-                tx.clone(),
-                inflight.clone(),
-                self.observer.clone(),
-                self.health.clone(),
-                self.unwritten.clone(),
-            ));
-        }
+/// `batch` in chunks of `chunk` messages (a sink's batch), each with one of the `reserved` permits.
+pub(crate) fn chunks(
+    batch: Vec<ClaimedMessage>,
+    chunk: usize,
+    reserved: &mut OwnedSemaphorePermit,
+) -> Vec<(Vec<ClaimedMessage>, OwnedSemaphorePermit)> {
+    let mut out = Vec::with_capacity(batch.len().div_ceil(chunk));
+    let mut rest = batch.into_iter().peekable();
+    while rest.peek().is_some() {
+        let permit = reserved
+            .split(1)
+            .expect("a permit was reserved for every chunk");
+        out.push((rest.by_ref().take(chunk).collect(), permit));
     }
+    out
 }
 
 /// What a delivery's outcomes are settled with: the lease, topic, whether ordered, created at.
 pub(crate) type Meta = (Lease, String, bool, chrono::DateTime<chrono::Utc>);
 
-#[allow(clippy::too_many_arguments)]
-async fn deliver(
-    sink: Arc<dyn Sink>,
-    chunk: Vec<ClaimedMessage>,
-    timeout: Duration,
-    permit: OwnedSemaphorePermit,
-    tx: mpsc::Sender<Settle>,
-    inflight: Option<Arc<InFlight>>,
-    observer: Arc<dyn Observer>,
-    health: Arc<SinkHealth>,
-    unwritten: Arc<AtomicUsize>,
-) {
-    let (meta, kinds) = deliver_chunk(&sink, chunk, timeout, &*observer, &health).await;
-    settle(meta, kinds, &tx, inflight.as_deref(), &unwritten).await;
+/// Delivers a chunk of leased messages and hands the outcomes to the completer.
+async fn deliver(p: Arc<Producer>, part: Vec<ClaimedMessage>, permit: OwnedSemaphorePermit) {
+    let timeout = p.timeout_of(&part);
+    let (meta, kinds) = deliver_chunk(&p.sink, part, timeout, &*p.observer, &p.health).await;
+    settle(meta, kinds, &p.settle_tx, Some(&p.inflight), &p.unwritten).await;
     drop(permit);
 }
 
