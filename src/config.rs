@@ -45,6 +45,81 @@ pub struct Config {
     /// Topic patterns → sink, first match wins. None: everything goes to the log sink.
     #[serde(default)]
     pub routes: Vec<Route>,
+    /// Cron schedules: a message at every tick, once across every relay.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub schedules: Vec<ScheduleSection>,
+}
+
+/// `[[schedules]]`: a message enqueued at every tick of `cron`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleSection {
+    /// Unique among the schedules; every relay with a schedule of this name shares its ticks.
+    pub name: String,
+    /// 5 fields (minute hour day-of-month month day-of-week), or 6 with seconds first.
+    pub cron: String,
+    /// IANA name (`Europe/Berlin`); UTC when absent.
+    pub timezone: Option<String>,
+    pub topic: String,
+    /// The message's payload (any TOML value; `{}` when absent).
+    pub payload: Option<toml::Value>,
+    /// The payload as a JSON document instead (what the Helm chart writes).
+    pub payload_json: Option<String>,
+    pub key: Option<String>,
+    pub max_attempts: Option<i32>,
+}
+
+impl ScheduleSection {
+    /// The schedule, or the problem and the field (relative to this entry) it is in.
+    pub fn schedule(&self) -> Result<crate::CronSchedule, (&'static str, String)> {
+        let mut message = crate::Message::new(self.topic.clone());
+        match (&self.payload, &self.payload_json) {
+            (Some(_), Some(_)) => {
+                return Err((
+                    "payload_json",
+                    "give payload or payload_json, not both".into(),
+                ));
+            }
+            (Some(p), None) => message = message.payload(p),
+            (None, Some(j)) => {
+                let v: serde_json::Value = serde_json::from_str(j)
+                    .map_err(|e| ("payload_json", format!("not a JSON document: {e}")))?;
+                message = message.payload(&v);
+            }
+            (None, None) => {}
+        }
+        if let Some(k) = &self.key {
+            message = message.key(k.clone());
+        }
+        if let Some(n) = self.max_attempts {
+            message = message.max_attempts(n);
+        }
+        message.validate().map_err(|e| {
+            // Its text is "field: problem".
+            let text = e.to_string();
+            let (field, problem) = text.split_once(": ").unwrap_or(("topic", &text));
+            let field = match field {
+                "key" => "key",
+                "max_attempts" => "max_attempts",
+                "payload" => "payload",
+                _ => "topic",
+            };
+            (field, problem.to_owned())
+        })?;
+        let mut s =
+            crate::CronSchedule::new(self.name.clone(), &self.cron, message).map_err(invalid)?;
+        if let Some(tz) = &self.timezone {
+            s = s.timezone(tz).map_err(invalid)?;
+        }
+        Ok(s)
+    }
+}
+
+fn invalid(e: crate::Error) -> (&'static str, String) {
+    match e {
+        crate::Error::InvalidArgument { field, problem } => (field, problem),
+        other => ("cron", other.to_string()),
+    }
 }
 
 /// `[relay]`: the engine's settings.
@@ -238,6 +313,18 @@ pub struct Settings {
     pub sample_interval: Duration,
     pub kafka: Option<KafkaSink>,
     pub routes: Vec<Route>,
+    /// Validated: each builds its [`crate::CronSchedule`].
+    pub schedules: Vec<ScheduleSection>,
+}
+
+impl Settings {
+    /// The cron schedules (validated when the settings were made).
+    pub fn cron_schedules(&self) -> Vec<crate::CronSchedule> {
+        self.schedules
+            .iter()
+            .map(|s| s.schedule().expect("validated"))
+            .collect()
+    }
 }
 
 impl Config {
@@ -407,6 +494,18 @@ impl Config {
                 }
             }
         }
+        let mut names = std::collections::HashSet::new();
+        for (i, schedule) in self.schedules.iter().enumerate() {
+            if let Err((field, problem)) = schedule.schedule() {
+                return Err(err(format!("schedules.{i}.{field}"), problem));
+            }
+            if !names.insert(schedule.name.as_str()) {
+                return Err(err(
+                    format!("schedules.{i}.name"),
+                    format!("{:?} names another schedule too", schedule.name),
+                ));
+            }
+        }
         Ok(Settings {
             database_url,
             engine,
@@ -414,6 +513,7 @@ impl Config {
             sample_interval,
             kafka: self.sinks.kafka,
             routes,
+            schedules: self.schedules,
         })
     }
 }
@@ -490,6 +590,7 @@ impl Settings {
                 }),
             },
             routes: self.routes.clone(),
+            schedules: self.schedules.clone(),
         };
         toml::to_string(&file).expect("the configuration serializes")
     }
@@ -650,6 +751,33 @@ sink = "log"
             "routes[0].sink"
         );
         assert_eq!(bad("database_url = \"mysql://x\"\n"), "database_url");
+        let schedule = |fields: &str| format!("[[schedules]]\nname = \"a\"\n{fields}\n");
+        assert_eq!(
+            bad(&schedule("cron = \"* * * *\"\ntopic = \"t\"")),
+            "schedules.0.cron"
+        );
+        assert_eq!(
+            bad(&schedule("cron = \"* * * * *\"\ntopic = \"\"")),
+            "schedules.0.topic"
+        );
+        assert_eq!(
+            bad(&format!(
+                "{}{}",
+                schedule("cron = \"* * * * *\"\ntopic = \"t\""),
+                schedule("cron = \"* * * * *\"\ntopic = \"u\"")
+            )),
+            "schedules.1.name"
+        );
+        let ok = Config::from_toml(&schedule(
+            "cron = \"0 3 * * *\"\ntimezone = \"Europe/Berlin\"\ntopic = \"r\"\npayload = { kind = \"nightly\" }",
+        ))
+        .unwrap()
+        .resolve(Overrides::default())
+        .unwrap();
+        let s = &ok.cron_schedules()[0];
+        assert_eq!((s.name(), s.timezone_name()), ("a", "Europe/Berlin"));
+        // config check prints them back.
+        assert!(ok.to_redacted_toml().contains("[[schedules]]"));
     }
 
     #[test]

@@ -40,6 +40,8 @@ pub mod backoff;
 #[cfg(feature = "relay")]
 pub mod config;
 #[cfg(feature = "engine")]
+pub mod cron;
+#[cfg(feature = "engine")]
 pub mod engine;
 pub mod enqueue;
 pub mod error;
@@ -56,6 +58,8 @@ pub mod sink;
 pub mod store;
 
 pub use backoff::Backoff;
+#[cfg(feature = "engine")]
+pub use cron::CronSchedule;
 pub use enqueue::{Enqueued, enqueue, enqueue_many};
 #[cfg(feature = "async")]
 pub use enqueue::{enqueue_async, enqueue_many_async};

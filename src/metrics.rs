@@ -37,6 +37,9 @@ pub struct Metrics {
     database_up: Gauge,
     notifier_connected: Gauge,
     topic_paused: GaugeVec,
+    schedule_last: GaugeVec,
+    schedule_next: GaugeVec,
+    schedule_fired: IntCounterVec,
     database_ok: AtomicBool,
     /// When each engine (by sink) last made progress, and how long without it means stuck.
     alive: Mutex<HashMap<String, std::time::Instant>>,
@@ -203,6 +206,24 @@ impl Metrics {
                 "postbox_topic_paused",
                 "1 while the topic is paused (postbox pause), 0 otherwise.",
                 &["topic"],
+            ),
+            schedule_last: gauge_vec(
+                &r,
+                "postbox_schedule_last_tick_timestamp_seconds",
+                "The last tick a cron schedule fired (by any relay), in Unix seconds.",
+                &["schedule"],
+            ),
+            schedule_next: gauge_vec(
+                &r,
+                "postbox_schedule_next_tick_timestamp_seconds",
+                "When a cron schedule's next tick is due, in Unix seconds.",
+                &["schedule"],
+            ),
+            schedule_fired: counter_vec(
+                &r,
+                "postbox_schedule_fired_total",
+                "Ticks this relay fired (one message each).",
+                &["schedule"],
             ),
             database_ok: AtomicBool::new(false),
             alive: Mutex::new(HashMap::new()),
@@ -387,6 +408,27 @@ impl Observer for Metrics {
 
     fn notifier_connected(&self, up: bool) {
         self.notifier_connected.set(if up { 1.0 } else { 0.0 });
+    }
+
+    fn schedule(
+        &self,
+        name: &str,
+        last: Option<chrono::DateTime<chrono::Utc>>,
+        next: chrono::DateTime<chrono::Utc>,
+        fired: bool,
+    ) {
+        let fired_total = self.schedule_fired.with_label_values(&[name]);
+        if fired {
+            fired_total.inc();
+        }
+        if let Some(last) = last {
+            self.schedule_last
+                .with_label_values(&[name])
+                .set(last.timestamp_millis() as f64 / 1000.0);
+        }
+        self.schedule_next
+            .with_label_values(&[name])
+            .set(next.timestamp_millis() as f64 / 1000.0);
     }
 
     fn alive(&self, sink: &str) {

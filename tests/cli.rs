@@ -120,6 +120,14 @@ fn invalid_configuration_exits_2_naming_the_field() {
             "routes[0].sink",
         ),
         ("surprise = 1\n", "surprise"),
+        (
+            "[[schedules]]\nname = \"n\"\ncron = \"0 25 * * *\"\ntopic = \"t\"\n",
+            "schedules.0.cron",
+        ),
+        (
+            "[[schedules]]\nname = \"n\"\ncron = \"0 3 * * *\"\ntimezone = \"Europe/Atlantis\"\ntopic = \"t\"\n",
+            "schedules.0.timezone",
+        ),
     ] {
         let f = file(toml);
         let out = postbox(&["--config", f.as_str(), "config", "check"]);
@@ -382,6 +390,79 @@ async fn dead_letter_commands_list_replay_and_purge() {
         "{}",
         text(&out.stdout)
     );
+}
+
+#[test]
+fn a_relay_runs_the_configured_schedules_and_status_lists_them() {
+    let db = TestDb::migrated();
+    let port = free_port();
+    let config = file(&format!(
+        r#"database_url = "{}"
+[metrics]
+listen = "127.0.0.1:{port}"
+
+[[schedules]]
+name = "heartbeat"
+cron = "* * * * * *"
+topic = "cron.heartbeat"
+payload = {{ kind = "heartbeat" }}
+key = "hb"
+"#,
+        db.url
+    ));
+    let mut relay = hermetic(BIN)
+        .args(["--config", config.as_str(), "run"])
+        .env("POSTBOX_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = || {
+        let out = postbox(&["--database-url", &db.url, "status", "--json"]);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    assert!(
+        wait_for(Duration::from_secs(30), || {
+            status()["schedules"][0]["last_message_id"].is_i64()
+        }),
+        "a tick fired within 30 s"
+    );
+    let s = status();
+    let row = &s["schedules"][0];
+    assert_eq!(row["name"], "heartbeat");
+    assert_eq!(row["cron"], "* * * * * *");
+    assert_eq!(row["timezone"], "UTC");
+    assert_eq!(row["topic"], "cron.heartbeat");
+    assert!(row["next_tick"].as_str().unwrap() > row["last_tick"].as_str().unwrap());
+    let out = postbox(&["--database-url", &db.url, "status"]);
+    let table = text(&out.stdout);
+    assert!(
+        table.contains("SCHEDULE") && table.contains("heartbeat") && table.contains("NEXT RUN"),
+        "{table}"
+    );
+    let (code, metrics) = get(port, "/metrics").unwrap();
+    assert_eq!(code, 200);
+    assert!(
+        metrics.contains("postbox_schedule_next_tick_timestamp_seconds{schedule=\"heartbeat\"}")
+            && metrics
+                .contains("postbox_schedule_last_tick_timestamp_seconds{schedule=\"heartbeat\"}"),
+        "{metrics}"
+    );
+    assert_eq!(terminate(&mut relay).code(), Some(0));
+    // The log sink printed the ticks' messages.
+    let mut stdout = String::new();
+    relay
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut stdout)
+        .unwrap();
+    let first: serde_json::Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
+    assert_eq!(first["topic"], "cron.heartbeat");
+    assert_eq!(first["key"], "hb");
+    assert_eq!(first["payload"], serde_json::json!({"kind": "heartbeat"}));
+    assert_eq!(first["headers"]["cron-schedule"], "heartbeat");
 }
 
 fn free_port() -> u16 {

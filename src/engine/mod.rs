@@ -21,6 +21,7 @@
 
 mod completer;
 pub mod config;
+pub mod cron;
 mod flush;
 mod held;
 pub mod maintenance;
@@ -41,6 +42,7 @@ pub use self::maintenance::{Rescuer, Scheduler};
 pub use self::observer::{Counters, NoObserver, Observer, RunReport, Settlement};
 use self::producer::{InFlight, Producer, SinkHealth};
 use crate::backoff::Backoff;
+use crate::cron::CronSchedule;
 use crate::error::{Error, Result};
 use crate::sink::Sink;
 use crate::sink::handlers::Handlers;
@@ -60,6 +62,7 @@ pub struct EngineBuilder {
     backoff: Option<Backoff>,
     observer: Arc<dyn Observer>,
     listen: bool,
+    schedules: Vec<CronSchedule>,
 }
 
 impl EngineBuilder {
@@ -159,9 +162,24 @@ impl EngineBuilder {
         self
     }
 
+    /// Runs this cron schedule (see [`CronSchedule`]): at each tick its message is enqueued,
+    /// once across every engine and relay that runs a schedule of this name. Not in drain mode.
+    pub fn schedule(mut self, schedule: CronSchedule) -> Self {
+        self.schedules.push(schedule);
+        self
+    }
+
     /// Validates the settings (errors name the field) and opens the pool if none was given.
     pub async fn build(self) -> Result<Engine> {
         self.config.validate()?;
+        let mut names: Vec<&str> = self.schedules.iter().map(|s| s.name()).collect();
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::InvalidArgument {
+                field: "schedules",
+                problem: format!("two schedules are named {:?}", w[0]),
+            });
+        }
         let sink = self.sink.ok_or(Error::InvalidArgument {
             field: "sink",
             problem: "no sink or handlers given".into(),
@@ -190,6 +208,7 @@ impl EngineBuilder {
             observer: self.observer,
             counters: Arc::new(Counters::default()),
             listen: self.listen,
+            schedules: self.schedules,
         })
     }
 }
@@ -211,6 +230,7 @@ pub struct Engine {
     observer: Arc<dyn Observer>,
     counters: Arc<Counters>,
     listen: bool,
+    schedules: Vec<CronSchedule>,
 }
 
 impl Engine {
@@ -226,6 +246,7 @@ impl Engine {
             backoff: None,
             observer: Arc::new(NoObserver),
             listen: true,
+            schedules: Vec::new(),
         }
     }
 
@@ -321,6 +342,14 @@ impl Engine {
         let rescuer = tokio::spawn(
             Rescuer::new(self.store.clone(), self.config.rescue_interval).run(background.clone()),
         );
+        let cron = (!self.schedules.is_empty() && !self.config.drain).then(|| {
+            tokio::spawn(cron::run(
+                self.store.clone(),
+                self.schedules.clone(),
+                observer.clone(),
+                background.clone(),
+            ))
+        });
         let scheduler = tokio::spawn(
             Scheduler::new(
                 self.store.clone(),
@@ -399,6 +428,9 @@ impl Engine {
         let _ = rescuer.await;
         let _ = watching.await;
         let _ = scheduler.await;
+        if let Some(c) = cron {
+            let _ = c.await;
+        }
         if let Some(t) = notifier_task {
             let _ = t.await;
         }

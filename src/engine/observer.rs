@@ -34,6 +34,16 @@ pub trait Observer: Send + Sync + 'static {
     /// The engine of `sink` is making progress: a claim loop went round, or the completer wrote
     /// (or is retrying while the database is away). Liveness probes watch for its absence.
     fn alive(&self, _sink: &str) {}
+    /// A cron schedule was looked at: its last tick (by any relay), its next, and whether this
+    /// engine fired a tick just now.
+    fn schedule(
+        &self,
+        _name: &str,
+        _last: Option<chrono::DateTime<chrono::Utc>>,
+        _next: chrono::DateTime<chrono::Utc>,
+        _fired: bool,
+    ) {
+    }
 }
 
 /// Totals since the engine started.
@@ -108,6 +118,15 @@ impl Observer for Counting {
     }
     fn alive(&self, sink: &str) {
         self.inner.alive(sink);
+    }
+    fn schedule(
+        &self,
+        name: &str,
+        last: Option<chrono::DateTime<chrono::Utc>>,
+        next: chrono::DateTime<chrono::Utc>,
+        fired: bool,
+    ) {
+        self.inner.schedule(name, last, next, fired);
     }
 }
 

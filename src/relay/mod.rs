@@ -245,6 +245,13 @@ pub async fn run(
         if drain {
             builder = builder.listen(false);
         }
+        // The first engine runs the schedules (once per process is enough: the database makes
+        // each tick one message across relays anyway).
+        if engines.is_empty() {
+            for s in settings.cron_schedules() {
+                builder = builder.schedule(s);
+            }
+        }
         engines.push(builder.build().await?);
     }
     tracing::info!(database = %redact_url(&settings.database_url), metrics = %settings.metrics_listen, routes = engines.len(), "relay running");

@@ -18,6 +18,10 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
         .paused()
         .await
         .map_err(|e| RelayError::Runtime(e.into()))?;
+    let schedules = store
+        .schedules()
+        .await
+        .map_err(|e| RelayError::Runtime(e.into()))?;
     let matcher = crate::store::Topics::only(&paused);
     let is_paused = |topic: &str| !paused.is_empty() && matcher.matches(topic);
     if json {
@@ -29,7 +33,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
             .collect();
         println!(
             "{}",
-            serde_json::json!({"topics": stats.topics, "estimated": stats.estimated, "dead_total": stats.dead_total(), "stalled_keys": stalled, "paused": paused, "paused_topics": paused_topics})
+            serde_json::json!({"topics": stats.topics, "estimated": stats.estimated, "dead_total": stats.dead_total(), "stalled_keys": stalled, "paused": paused, "paused_topics": paused_topics, "schedules": schedules})
         );
     } else {
         println!(
@@ -66,6 +70,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
         } else {
             println!("paused: {}", paused.join(", "));
         }
+        print_schedules(&schedules);
         if stalled.is_empty() {
             println!("stalled ordered keys: none");
         } else {
@@ -85,4 +90,32 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn print_schedules(schedules: &[crate::store::ScheduleRow]) {
+    if schedules.is_empty() {
+        println!("schedules: none");
+        return;
+    }
+    println!(
+        "{:<24} {:<20} {:<16} {:<24} {:<30} {:<22}",
+        "SCHEDULE", "CRON", "TIMEZONE", "TOPIC", "LAST RUN", "NEXT RUN"
+    );
+    let at = |t: chrono::DateTime<chrono::Utc>| t.format("%Y-%m-%d %H:%M:%SZ").to_string();
+    for s in schedules {
+        let last = match (s.last_tick, s.last_message_id) {
+            (Some(t), Some(id)) => format!("{} #{id}", at(t)),
+            (Some(t), None) => at(t),
+            _ => "never".to_owned(),
+        };
+        println!(
+            "{:<24} {:<20} {:<16} {:<24} {:<30} {:<22}",
+            s.name,
+            s.cron,
+            s.timezone,
+            s.topic,
+            last,
+            at(s.next_tick)
+        );
+    }
 }

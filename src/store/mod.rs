@@ -12,6 +12,8 @@ mod cancel;
 mod claim;
 #[cfg(feature = "async")]
 pub mod connect;
+#[cfg(feature = "engine")]
+mod cron;
 #[cfg(feature = "async")]
 mod dead;
 #[cfg(feature = "async")]
@@ -41,6 +43,9 @@ pub use self::{
         EXACT_LIMIT, SAMPLE_ROWS, SampleRow, StalledKey, Stats, TOPIC_EXACT_LIMIT, TopicStats,
     },
 };
+
+#[cfg(feature = "engine")]
+pub use self::cron::{Fired, ScheduleRow};
 
 #[cfg(feature = "async")]
 pub use self::pool::*;

@@ -233,6 +233,7 @@ const SCHEMA_READY: &str = "SELECT to_regclass('postbox.messages') IS NOT NULL
     AND to_regprocedure('postbox.hand_over(text[], text[], bigint[], integer, double precision, bigint, text)') IS NOT NULL
     AND to_regprocedure('postbox.lost_holds()') IS NOT NULL
     AND to_regclass('postbox.pauses') IS NOT NULL
+    AND to_regclass('postbox.schedules') IS NOT NULL
     AS ready";
 
 type Conn = diesel_async::AsyncPgConnection;

@@ -113,4 +113,23 @@ sink = {{ .sink | quote }}
 kafka_topic = {{ . | quote }}
 {{- end }}
 {{- end }}
+{{- range .Values.config.schedules }}
+
+[[schedules]]
+name = {{ .name | quote }}
+cron = {{ .cron | quote }}
+topic = {{ .topic | quote }}
+{{- with .timezone }}
+timezone = {{ . | quote }}
+{{- end }}
+{{- if hasKey . "payload" }}
+payload_json = {{ .payload | toJson | quote }}
+{{- end }}
+{{- with .key }}
+key = {{ . | quote }}
+{{- end }}
+{{- with .maxAttempts }}
+max_attempts = {{ . | int }}
+{{- end }}
+{{- end }}
 {{- end }}
