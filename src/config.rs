@@ -48,6 +48,36 @@ pub struct Config {
     /// Cron schedules: a message at every tick, once across every relay.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub schedules: Vec<ScheduleSection>,
+    /// Running limits, enforced in every relay's claims.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub limits: Vec<LimitSection>,
+}
+
+/// `[[limits]]`: at most `max_running` messages of `topics` running at once across every relay.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSection {
+    /// Exact names or globs, as in a route.
+    pub topics: Vec<String>,
+    pub max_running: i64,
+    /// At most `max_running` per key instead of in all.
+    #[serde(default)]
+    pub per_key: bool,
+}
+
+impl LimitSection {
+    /// The limit, or the problem and the field (relative to this entry) it is in.
+    pub fn limit(&self) -> Result<crate::store::Limit, (&'static str, String)> {
+        let max = u32::try_from(self.max_running).map_err(|_| {
+            (
+                "max_running",
+                format!("{} is not a count", self.max_running),
+            )
+        })?;
+        crate::store::Limit::new(&self.topics, max)
+            .map(|l| l.per_key(self.per_key))
+            .map_err(invalid)
+    }
 }
 
 /// `[[schedules]]`: a message enqueued at every tick of `cron`.
@@ -315,6 +345,8 @@ pub struct Settings {
     pub routes: Vec<Route>,
     /// Validated: each builds its [`crate::CronSchedule`].
     pub schedules: Vec<ScheduleSection>,
+    /// Validated: each builds its [`crate::store::Limit`].
+    pub limits: Vec<LimitSection>,
 }
 
 impl Settings {
@@ -323,6 +355,14 @@ impl Settings {
         self.schedules
             .iter()
             .map(|s| s.schedule().expect("validated"))
+            .collect()
+    }
+
+    /// The running limits (validated when the settings were made).
+    pub fn running_limits(&self) -> Vec<crate::store::Limit> {
+        self.limits
+            .iter()
+            .map(|l| l.limit().expect("validated"))
             .collect()
     }
 }
@@ -506,6 +546,11 @@ impl Config {
                 ));
             }
         }
+        for (i, limit) in self.limits.iter().enumerate() {
+            if let Err((field, problem)) = limit.limit() {
+                return Err(err(format!("limits.{i}.{field}"), problem));
+            }
+        }
         Ok(Settings {
             database_url,
             engine,
@@ -514,6 +559,7 @@ impl Config {
             kafka: self.sinks.kafka,
             routes,
             schedules: self.schedules,
+            limits: self.limits,
         })
     }
 }
@@ -591,6 +637,7 @@ impl Settings {
             },
             routes: self.routes.clone(),
             schedules: self.schedules.clone(),
+            limits: self.limits.clone(),
         };
         toml::to_string(&file).expect("the configuration serializes")
     }
@@ -778,6 +825,25 @@ sink = "log"
         assert_eq!((s.name(), s.timezone_name()), ("a", "Europe/Berlin"));
         // config check prints them back.
         assert!(ok.to_redacted_toml().contains("[[schedules]]"));
+        assert_eq!(
+            bad("[[limits]]\ntopics = [\"a\"]\nmax_running = 0\n"),
+            "limits.0.max_running"
+        );
+        assert_eq!(
+            bad(
+                "[[limits]]\ntopics = [\"a\"]\nmax_running = 1\n[[limits]]\ntopics = []\nmax_running = 1\n"
+            ),
+            "limits.1.topics"
+        );
+        let ok = Config::from_toml(
+            "[[limits]]\ntopics = [\"emails.*\"]\nmax_running = 5\nper_key = true\n",
+        )
+        .unwrap()
+        .resolve(Overrides::default())
+        .unwrap();
+        let l = &ok.running_limits()[0];
+        assert_eq!((l.max_running(), l.is_per_key()), (5, true));
+        assert!(ok.to_redacted_toml().contains("[[limits]]"));
     }
 
     #[test]

@@ -40,6 +40,8 @@ pub struct Metrics {
     schedule_last: GaugeVec,
     schedule_next: GaugeVec,
     schedule_fired: IntCounterVec,
+    limit_running: GaugeVec,
+    limit_max: GaugeVec,
     database_ok: AtomicBool,
     /// When each engine (by sink) last made progress, and how long without it means stuck.
     alive: Mutex<HashMap<String, std::time::Instant>>,
@@ -225,6 +227,18 @@ impl Metrics {
                 "Ticks this relay fired (one message each).",
                 &["schedule"],
             ),
+            limit_running: gauge_vec(
+                &r,
+                "postbox_limit_running",
+                "Messages of a running limit's topics running now across every relay (per_key: of its busiest key).",
+                &["limit"],
+            ),
+            limit_max: gauge_vec(
+                &r,
+                "postbox_limit_max_running",
+                "The running limit's maximum.",
+                &["limit"],
+            ),
             database_ok: AtomicBool::new(false),
             alive: Mutex::new(HashMap::new()),
             stall_after: Mutex::new(None),
@@ -327,6 +341,16 @@ impl Metrics {
         for p in patterns.iter().filter(|p| !p.contains('*')) {
             self.topic_paused.with_label_values(&[p]).set(1.0);
         }
+    }
+
+    /// Sets the gauges of a running limit: running now (sampled), and its maximum.
+    pub fn limit(&self, limit: &crate::store::Limit, running: i64) {
+        self.limit_running
+            .with_label_values(&[limit.name()])
+            .set(running as f64);
+        self.limit_max
+            .with_label_values(&[limit.name()])
+            .set(f64::from(limit.max_running()));
     }
 
     /// Ready: this pod can do its job — its database answers. A sink that is down is down for

@@ -128,6 +128,10 @@ fn invalid_configuration_exits_2_naming_the_field() {
             "[[schedules]]\nname = \"n\"\ncron = \"0 3 * * *\"\ntimezone = \"Europe/Atlantis\"\ntopic = \"t\"\n",
             "schedules.0.timezone",
         ),
+        (
+            "[[limits]]\ntopics = [\"emails.*\"]\nmax_running = 0\n",
+            "limits.0.max_running",
+        ),
     ] {
         let f = file(toml);
         let out = postbox(&["--config", f.as_str(), "config", "check"]);
@@ -393,7 +397,7 @@ async fn dead_letter_commands_list_replay_and_purge() {
 }
 
 #[test]
-fn a_relay_runs_the_configured_schedules_and_status_lists_them() {
+fn a_relay_runs_the_configured_schedules_and_limits_and_status_lists_them() {
     let db = TestDb::migrated();
     let port = free_port();
     let config = file(&format!(
@@ -407,6 +411,10 @@ cron = "* * * * * *"
 topic = "cron.heartbeat"
 payload = {{ kind = "heartbeat" }}
 key = "hb"
+
+[[limits]]
+topics = ["emails.*"]
+max_running = 5
 "#,
         db.url
     ));
@@ -418,7 +426,7 @@ key = "hb"
         .spawn()
         .unwrap();
     let status = || {
-        let out = postbox(&["--database-url", &db.url, "status", "--json"]);
+        let out = postbox(&["--config", config.as_str(), "status", "--json"]);
         assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
     };
@@ -435,10 +443,18 @@ key = "hb"
     assert_eq!(row["timezone"], "UTC");
     assert_eq!(row["topic"], "cron.heartbeat");
     assert!(row["next_tick"].as_str().unwrap() > row["last_tick"].as_str().unwrap());
-    let out = postbox(&["--database-url", &db.url, "status"]);
+    assert_eq!(
+        s["limits"],
+        serde_json::json!([{"name": "emails.*", "topics": ["emails.*"], "max_running": 5, "per_key": false, "running": 0}])
+    );
+    let out = postbox(&["--config", config.as_str(), "status"]);
     let table = text(&out.stdout);
     assert!(
         table.contains("SCHEDULE") && table.contains("heartbeat") && table.contains("NEXT RUN"),
+        "{table}"
+    );
+    assert!(
+        table.contains("LIMIT") && table.contains("emails.*"),
         "{table}"
     );
     let (code, metrics) = get(port, "/metrics").unwrap();

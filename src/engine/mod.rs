@@ -46,7 +46,7 @@ use crate::cron::CronSchedule;
 use crate::error::{Error, Result};
 use crate::sink::Sink;
 use crate::sink::handlers::Handlers;
-use crate::store::{Pool, Store};
+use crate::store::{Limit, Pool, Store};
 
 /// Connections the engine's own pool opens: claims, up to four completer statements at once,
 /// heartbeats and rescue.
@@ -63,6 +63,7 @@ pub struct EngineBuilder {
     observer: Arc<dyn Observer>,
     listen: bool,
     schedules: Vec<CronSchedule>,
+    limits: Vec<Limit>,
 }
 
 impl EngineBuilder {
@@ -169,6 +170,13 @@ impl EngineBuilder {
         self
     }
 
+    /// Enforces this running limit in the engine's claims (see [`Limit`]); a topic under several
+    /// limits is governed by the first. Every engine and relay claiming its topics must have it.
+    pub fn limit(mut self, limit: Limit) -> Self {
+        self.limits.push(limit);
+        self
+    }
+
     /// Validates the settings (errors name the field) and opens the pool if none was given.
     pub async fn build(self) -> Result<Engine> {
         self.config.validate()?;
@@ -209,6 +217,7 @@ impl EngineBuilder {
             counters: Arc::new(Counters::default()),
             listen: self.listen,
             schedules: self.schedules,
+            limits: self.limits,
         })
     }
 }
@@ -231,6 +240,7 @@ pub struct Engine {
     counters: Arc<Counters>,
     listen: bool,
     schedules: Vec<CronSchedule>,
+    limits: Vec<Limit>,
 }
 
 impl Engine {
@@ -247,6 +257,7 @@ impl Engine {
             observer: Arc::new(NoObserver),
             listen: true,
             schedules: Vec::new(),
+            limits: Vec::new(),
         }
     }
 
@@ -286,7 +297,7 @@ impl Engine {
         let wake = Arc::new(Notify::new());
         let permits = Arc::new(tokio::sync::Semaphore::new(self.config.concurrency));
         let health = Arc::new(SinkHealth::new(self.config.max_unavailable_backoff));
-        let pauses = Arc::new(pauses::Pauses::new(self.sink.topics()));
+        let pauses = Arc::new(pauses::Pauses::new(self.sink.topics(), self.limits.clone()));
         let hand_over = Arc::new(completer::HandOver::new(
             permits.clone(),
             self.sink.max_batch(),

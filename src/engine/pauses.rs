@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::store::{Store, Topics, unpaused};
+use crate::store::{Limit, Store, Topics, unpaused};
 
 /// How often every engine reads the pauses: a pause takes effect within about this long (plus a
 /// claim in flight).
@@ -16,22 +16,45 @@ pub const PAUSE_POLL: Duration = Duration::from_secs(1);
 
 pub(crate) struct Pauses {
     served: Topics,
-    current: RwLock<(Vec<String>, Arc<Topics>)>,
+    limits: Vec<Limit>,
+    current: RwLock<(Vec<String>, Arc<Claimable>)>,
     any: AtomicBool,
 }
 
+/// What claims may take now: outside every limit, and within each limit.
+pub(crate) struct Claimable {
+    /// Served, not paused, under no limit.
+    pub unlimited: Topics,
+    /// Per limit (in order): served, not paused, and under no limit before it.
+    pub limited: Vec<(Limit, Topics)>,
+}
+
+impl Claimable {
+    fn new(served: &Topics, paused: &[String], limits: &[Limit]) -> Self {
+        let base = unpaused(served, paused);
+        let mut unlimited = base.clone();
+        let mut limited = Vec::with_capacity(limits.len());
+        for l in limits {
+            limited.push((l.clone(), unlimited.clone()));
+            unlimited = unlimited.excluding(l.topics());
+        }
+        Claimable { unlimited, limited }
+    }
+}
+
 impl Pauses {
-    pub(crate) fn new(served: Topics) -> Self {
-        let all = Arc::new(served.clone());
+    pub(crate) fn new(served: Topics, limits: Vec<Limit>) -> Self {
+        let all = Arc::new(Claimable::new(&served, &[], &limits));
         Pauses {
             served,
+            limits,
             current: RwLock::new((Vec::new(), all)),
             any: AtomicBool::new(false),
         }
     }
 
-    /// What claims may take now.
-    pub(crate) fn topics(&self) -> Arc<Topics> {
+    /// What claims and held batches may take now, outside the limits.
+    pub(crate) fn topics(&self) -> Arc<Claimable> {
         self.current.read().expect("pauses lock").1.clone()
     }
 
@@ -51,10 +74,8 @@ impl Pauses {
             tracing::info!(paused = ?patterns, "paused topics are not claimed");
         }
         self.any.store(!patterns.is_empty(), Ordering::Release);
-        *current = (
-            patterns.clone(),
-            Arc::new(unpaused(&self.served, &patterns)),
-        );
+        let claimable = Arc::new(Claimable::new(&self.served, &patterns, &self.limits));
+        *current = (patterns, claimable);
     }
 }
 

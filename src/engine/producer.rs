@@ -395,6 +395,35 @@ impl Producer {
         tasks: &mut JoinSet<()>,
         cursor: &mut Cursor,
     ) -> crate::Result<usize> {
+        let claimable = self.pauses.topics();
+        // Limited topics first, leased (a hold's messages are not `running`: a limit could not
+        // count them), then the rest with the permits left.
+        let mut limited = 0;
+        for (limit, topics) in &claimable.limited {
+            let room = (want - limited).min(reserved.num_permits() * chunk);
+            if room == 0 {
+                break;
+            }
+            let batch = self
+                .store
+                .claim_limited(limit, room, self.config.lease, topics)
+                .await?;
+            if !batch.is_empty() {
+                limited += batch.len();
+                self.observer.claimed(batch.len());
+                self.rate.add(batch.len());
+                self.dispatch(batch, chunk, reserved, tasks);
+            }
+        }
+        let want = (want - limited).min(reserved.num_permits() * chunk);
+        if want == 0 {
+            return Ok(limited);
+        }
+        let topics = &claimable.unlimited;
+        if topics.is_empty() {
+            cursor.backlog = false;
+            return Ok(limited);
+        }
         let slot = if self.config.hold_limit.is_zero() || !cursor.backlog {
             None
         } else {
@@ -415,7 +444,7 @@ impl Producer {
                 .take(
                     want,
                     self.config.hold_limit,
-                    &self.pauses.topics(),
+                    topics,
                     after,
                     want * FOLLOWERS_PER_MESSAGE,
                 )
@@ -426,7 +455,7 @@ impl Producer {
                 let backlog = cursor.backlog;
                 cursor.advance(&[], want);
                 cursor.backlog = backlog && in_flight;
-                return Ok(0);
+                return Ok(limited);
             };
             cursor.advance(&hold.messages, want);
             cursor.chained = !hold.followers.is_empty();
@@ -441,12 +470,9 @@ impl Producer {
                 .expect("a permit was reserved for every chunk");
             // Registered, delivered and ended by a task of its own: the claim loop goes on.
             tasks.spawn(super::held::run(self.clone(), hold, chunk, permits, slot));
-            return Ok(got);
+            return Ok(limited + got);
         }
-        let batch = self
-            .store
-            .claim(want, self.config.lease, &self.pauses.topics())
-            .await?;
+        let batch = self.store.claim(want, self.config.lease, topics).await?;
         let got = batch.len();
         cursor.backlog = got >= want;
         self.observer.claimed(got);
@@ -454,7 +480,7 @@ impl Producer {
         if got > 0 {
             self.dispatch(batch, chunk, reserved, tasks);
         }
-        Ok(got)
+        Ok(limited + got)
     }
 
     /// Starts one delivery per chunk of leased messages, each holding one of the reserved permits.

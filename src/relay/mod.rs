@@ -232,6 +232,7 @@ pub async fn run(
         store.clone(),
         metrics.clone(),
         settings.sample_interval,
+        settings.running_limits(),
         shutdown.clone(),
     ));
     let mut engines = Vec::new();
@@ -244,6 +245,9 @@ pub async fn run(
             .observer(metrics.clone());
         if drain {
             builder = builder.listen(false);
+        }
+        for l in settings.running_limits() {
+            builder = builder.limit(l);
         }
         // The first engine runs the schedules (once per process is enough: the database makes
         // each tick one message across relays anyway).
@@ -285,7 +289,13 @@ pub async fn run(
     }
 }
 
-async fn sample(store: Store, metrics: Arc<Metrics>, every: Duration, stop: CancellationToken) {
+async fn sample(
+    store: Store,
+    metrics: Arc<Metrics>,
+    every: Duration,
+    limits: Vec<crate::store::Limit>,
+    stop: CancellationToken,
+) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -298,6 +308,11 @@ async fn sample(store: Store, metrics: Arc<Metrics>, every: Duration, stop: Canc
                 metrics.apply_sample(Ok(&rows));
                 if let Ok(paused) = store.paused().await {
                     metrics.apply_pauses(&paused, &rows);
+                }
+                for l in &limits {
+                    if let Ok(n) = store.limit_running(l).await {
+                        metrics.limit(l, n);
+                    }
                 }
             }
             Err(e) => {

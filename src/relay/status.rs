@@ -22,6 +22,14 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
         .schedules()
         .await
         .map_err(|e| RelayError::Runtime(e.into()))?;
+    let mut limits = Vec::new();
+    for l in settings.running_limits() {
+        let running = store
+            .limit_running(&l)
+            .await
+            .map_err(|e| RelayError::Runtime(e.into()))?;
+        limits.push(serde_json::json!({"name": l.name(), "topics": l.patterns(), "max_running": l.max_running(), "per_key": l.is_per_key(), "running": running}));
+    }
     let matcher = crate::store::Topics::only(&paused);
     let is_paused = |topic: &str| !paused.is_empty() && matcher.matches(topic);
     if json {
@@ -33,7 +41,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
             .collect();
         println!(
             "{}",
-            serde_json::json!({"topics": stats.topics, "estimated": stats.estimated, "dead_total": stats.dead_total(), "stalled_keys": stalled, "paused": paused, "paused_topics": paused_topics, "schedules": schedules})
+            serde_json::json!({"topics": stats.topics, "estimated": stats.estimated, "dead_total": stats.dead_total(), "stalled_keys": stalled, "paused": paused, "paused_topics": paused_topics, "schedules": schedules, "limits": limits})
         );
     } else {
         println!(
@@ -71,6 +79,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
             println!("paused: {}", paused.join(", "));
         }
         print_schedules(&schedules);
+        print_limits(&limits);
         if stalled.is_empty() {
             println!("stalled ordered keys: none");
         } else {
@@ -116,6 +125,26 @@ fn print_schedules(schedules: &[crate::store::ScheduleRow]) {
             s.topic,
             last,
             at(s.next_tick)
+        );
+    }
+}
+
+fn print_limits(limits: &[serde_json::Value]) {
+    if limits.is_empty() {
+        println!("running limits: none configured");
+        return;
+    }
+    println!(
+        "{:<32} {:>12} {:>8} {:>8}",
+        "LIMIT (topics)", "MAX RUNNING", "PER KEY", "RUNNING"
+    );
+    for l in limits {
+        println!(
+            "{:<32} {:>12} {:>8} {:>8}",
+            l["name"].as_str().unwrap_or(""),
+            l["max_running"],
+            if l["per_key"] == true { "yes" } else { "no" },
+            l["running"]
         );
     }
 }

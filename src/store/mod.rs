@@ -19,6 +19,8 @@ mod dead;
 #[cfg(feature = "async")]
 mod hold;
 #[cfg(feature = "async")]
+mod limit;
+#[cfg(feature = "async")]
 mod listen;
 #[cfg(feature = "async")]
 mod pause;
@@ -35,6 +37,7 @@ pub use self::{
     claim::{ClaimedMessage, Topics},
     dead::{DeadLetter, DeadSelector, ReplayReport},
     hold::{Hold, HoldEnded},
+    limit::Limit,
     listen::{listen, register_listener, still_running, unregister_listener},
     pause::unpaused,
     schedule::{PROMOTE_BATCH, Promoted},

@@ -132,4 +132,11 @@ key = {{ . | quote }}
 max_attempts = {{ . | int }}
 {{- end }}
 {{- end }}
+{{- range .Values.config.limits }}
+
+[[limits]]
+topics = [{{ range $i, $t := .topics }}{{ if $i }}, {{ end }}{{ $t | quote }}{{ end }}]
+max_running = {{ .maxRunning | int }}
+per_key = {{ .perKey | default false }}
+{{- end }}
 {{- end }}
