@@ -42,6 +42,8 @@ pub struct Config {
     pub metrics: MetricsSection,
     #[serde(default)]
     pub sinks: SinksSection,
+    #[serde(default)]
+    pub retention: RetentionSection,
     /// Topic patterns → sink, first match wins. None: everything goes to the log sink.
     #[serde(default)]
     pub routes: Vec<Route>,
@@ -181,6 +183,19 @@ pub struct RelaySection {
     /// (`"0s"`: always lease).
     #[serde(default, with = "opt_duration")]
     pub hold_limit: Option<Duration>,
+}
+
+/// `[retention]`: keep delivered messages for `postbox show` (off by default).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionSection {
+    /// How long delivered messages are kept in `postbox.completed` (expired by the hour).
+    #[serde(
+        default,
+        with = "opt_duration",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub keep_completed: Option<Duration>,
 }
 
 /// `[metrics]`.
@@ -463,7 +478,12 @@ impl Config {
             .map(|(k, d)| (k.clone(), *d))
             .collect();
         engine.hold_limit = r.hold_limit.unwrap_or(defaults::DEFAULT_HOLD_LIMIT);
+        engine.keep_completed = self.retention.keep_completed;
         engine.validate().map_err(|e| match e {
+            crate::Error::InvalidArgument {
+                field: "keep_completed",
+                problem,
+            } => err("retention.keep_completed", problem),
             crate::Error::InvalidArgument { field, problem } => {
                 err(format!("relay.{field}"), problem)
             }
@@ -636,6 +656,9 @@ impl Settings {
                 }),
             },
             routes: self.routes.clone(),
+            retention: RetentionSection {
+                keep_completed: self.engine.keep_completed,
+            },
             schedules: self.schedules.clone(),
             limits: self.limits.clone(),
         };
@@ -844,6 +867,22 @@ sink = "log"
         let l = &ok.running_limits()[0];
         assert_eq!((l.max_running(), l.is_per_key()), (5, true));
         assert!(ok.to_redacted_toml().contains("[[limits]]"));
+        assert_eq!(
+            bad("[retention]\nkeep_completed = \"10s\"\n"),
+            "retention.keep_completed"
+        );
+        let kept = Config::from_toml("[retention]\nkeep_completed = \"24h\"\n")
+            .unwrap()
+            .resolve(Overrides::default())
+            .unwrap();
+        assert_eq!(
+            kept.engine.keep_completed,
+            Some(Duration::from_secs(24 * 3600))
+        );
+        assert!(
+            kept.to_redacted_toml()
+                .contains("keep_completed = \"1day\"")
+        );
     }
 
     #[test]

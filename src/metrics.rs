@@ -42,6 +42,7 @@ pub struct Metrics {
     schedule_fired: IntCounterVec,
     limit_running: GaugeVec,
     limit_max: GaugeVec,
+    completed_kept: Gauge,
     database_ok: AtomicBool,
     /// When each engine (by sink) last made progress, and how long without it means stuck.
     alive: Mutex<HashMap<String, std::time::Instant>>,
@@ -239,6 +240,11 @@ impl Metrics {
                 "The running limit's maximum.",
                 &["limit"],
             ),
+            completed_kept: gauge(
+                &r,
+                "postbox_completed_kept",
+                "Delivered messages kept by retention (keep_completed), from the table statistics.",
+            ),
             database_ok: AtomicBool::new(false),
             alive: Mutex::new(HashMap::new()),
             stall_after: Mutex::new(None),
@@ -351,6 +357,11 @@ impl Metrics {
         self.limit_max
             .with_label_values(&[limit.name()])
             .set(f64::from(limit.max_running()));
+    }
+
+    /// Sets the number of delivered messages retention keeps.
+    pub fn completed_kept(&self, n: i64) {
+        self.completed_kept.set(n as f64);
     }
 
     /// Ready: this pod can do its job — its database answers. A sink that is down is down for

@@ -156,11 +156,18 @@ fn hold_limit() -> Duration {
 }
 
 pub(crate) async fn drain_engine(url: &str, n: usize, claimers: Option<usize>) -> f64 {
-    drain_topic(url, "bench.noop", n, claimers).await
+    drain_topic(url, "bench.noop", n, claimers, None).await
 }
 
-/// Drains `n` messages of `topic` with no-op handlers (batch 1000, 2000 at once); msg/s.
-async fn drain_topic(url: &str, topic: &str, n: usize, claimers: Option<usize>) -> f64 {
+/// Drains `n` messages of `topic` with no-op handlers (batch 1000, 2000 at once), keeping the
+/// delivered ones if `keep` says so; msg/s.
+async fn drain_topic(
+    url: &str,
+    topic: &str,
+    n: usize,
+    claimers: Option<usize>,
+    keep: Option<Duration>,
+) -> f64 {
     let handlers = Handlers::new().on(topic, |_: Job<serde_json::Value>| async { Ok(()) });
     let engine = Engine::builder(url)
         .handlers(handlers)
@@ -170,6 +177,7 @@ async fn drain_topic(url: &str, topic: &str, n: usize, claimers: Option<usize>) 
             batch_size: 1000,
             drain: true,
             hold_limit: hold_limit(),
+            keep_completed: keep,
             ..Default::default()
         })
         .build()
@@ -477,7 +485,7 @@ async fn kafka_bench(url: &str, brokers: &str, n: usize, claimers: Option<usize>
                 kafka.push(kafka_relay(url, brokers, claimers).await);
             } else {
                 // The same messages to a no-op handler in the app (the embedded queue).
-                embedded.push(drain_topic(url, "bench", n, claimers).await);
+                embedded.push(drain_topic(url, "bench", n, claimers, None).await);
             }
         }
     }
@@ -519,6 +527,63 @@ async fn with_engine<F: std::future::Future<Output = f64>>(url: &str, f: F) -> (
     shutdown.cancel();
     task.await.unwrap().unwrap();
     (r, counters.snapshot().delivered)
+}
+
+/// The hot table's write counters (pg_stat_user_tables; the engine's backends flush them when
+/// they exit).
+fn hot_table_counters(url: &str) -> [i64; 4] {
+    use diesel::RunQueryDsl;
+    #[derive(diesel::QueryableByName)]
+    struct C {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        upd: i64,
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        hot: i64,
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        del: i64,
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        dead: i64,
+    }
+    let mut c = PgConnection::establish(url).unwrap();
+    let r: C = diesel::sql_query(
+        "SELECT n_tup_upd AS upd, n_tup_hot_upd AS hot, n_tup_del AS del, n_dead_tup AS dead
+         FROM pg_stat_user_tables WHERE schemaname = 'postbox' AND relname = 'messages'",
+    )
+    .get_result(&mut c)
+    .unwrap();
+    [r.upd, r.hot, r.del, r.dead]
+}
+
+/// Completed-message retention off and on, alternating, three rounds: drain rate, and what the
+/// drain wrote to the hot table (updates, HOT updates, deletes, dead tuples left).
+async fn retention(url: &str, n: usize, claimers: Option<usize>) {
+    let keep = Some(Duration::from_secs(3600));
+    let (mut off, mut on) = (Vec::new(), Vec::new());
+    for round in 0..6 {
+        let kept = if round % 2 == 0 { None } else { keep };
+        reset(url);
+        PgConnection::establish(url)
+            .unwrap()
+            .batch_execute("TRUNCATE postbox.completed")
+            .unwrap();
+        enqueue_noop(url, n).await;
+        tokio::time::sleep(Duration::from_millis(700)).await; // let the statistics settle
+        let before = hot_table_counters(url);
+        let rate = drain_topic(url, "bench.noop", n, claimers, kept).await;
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let after = hot_table_counters(url);
+        let d: Vec<i64> = (0..4).map(|i| after[i] - before[i]).collect();
+        println!(
+            "retention {}: {rate:.0} msg/s; hot table: {} updates ({} HOT), {} deletes, dead tuples {:+}",
+            if kept.is_some() { "on " } else { "off" },
+            d[0],
+            d[1],
+            d[2],
+            d[3]
+        );
+        if kept.is_some() { &mut on } else { &mut off }.push(rate);
+    }
+    println!("retention_drain_ratio={:.2}", median(&on) / median(&off));
 }
 
 #[tokio::main]
@@ -614,6 +679,10 @@ async fn main() {
                 drain_engine(&a.url, n, a.claimers).await
             );
         }
+        return;
+    }
+    if a.only.as_deref() == Some("retention") {
+        retention(&a.url, n, a.claimers).await;
         return;
     }
     if a.only.as_deref() == Some("ordered-drain") {

@@ -43,6 +43,9 @@ pub const MAX_HOLDS: usize = 4;
 pub const DEFAULT_RESCUE_INTERVAL: Duration = Duration::from_secs(10);
 /// Most outcomes written per completer flush.
 pub const DEFAULT_COMPLETER_BATCH: usize = 2_000;
+/// How often a relay keeping completed messages creates the partitions to come and drops the
+/// expired ones.
+pub const RETENTION_INTERVAL: Duration = Duration::from_secs(300);
 /// Longest pause after the sink reported itself unavailable (doubling from 100 ms).
 pub const DEFAULT_MAX_UNAVAILABLE_BACKOFF: Duration = Duration::from_secs(30);
 
@@ -96,6 +99,10 @@ pub struct EngineConfig {
     /// transaction stays open (the database's xmin horizon) and delays the settling of fast
     /// deliveries held with a slow one. Zero: always lease.
     pub hold_limit: Duration,
+    /// Keep delivered messages this long in `postbox.completed` (an hourly partition is dropped
+    /// once its hour ended this long ago), so `postbox show ID` can tell when and by which sink a
+    /// message was delivered. `None` (the default): delivered messages are deleted.
+    pub keep_completed: Option<Duration>,
 }
 
 impl Default for EngineConfig {
@@ -117,6 +124,7 @@ impl Default for EngineConfig {
             delivery_timeout: DEFAULT_DELIVERY_TIMEOUT,
             topic_timeouts: Vec::new(),
             hold_limit: DEFAULT_HOLD_LIMIT,
+            keep_completed: None,
         }
     }
 }
@@ -212,6 +220,15 @@ impl EngineConfig {
         }
         if self.max_unavailable_backoff < Duration::from_millis(100) {
             return Err(invalid("max_unavailable_backoff", "must be at least 100ms"));
+        }
+        if self
+            .keep_completed
+            .is_some_and(|k| k < Duration::from_secs(60))
+        {
+            return Err(invalid(
+                "keep_completed",
+                "must be at least 1m (completed messages are expired by the hour)",
+            ));
         }
         Ok(())
     }

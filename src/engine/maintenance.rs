@@ -139,3 +139,28 @@ impl Scheduler {
         }
     }
 }
+
+/// Retention upkeep every [`RETENTION_INTERVAL`](super::config::RETENTION_INTERVAL) until `stop`:
+/// the partitions to come of `postbox.completed`, and the expired ones dropped.
+pub(crate) async fn keep_completed(store: Store, keep: Duration, stop: CancellationToken) {
+    let mut tick = tokio::time::interval(super::config::RETENTION_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await; // the engine did one round before it started
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.cancelled() => return,
+        }
+        match store.maintain_completed(keep).await {
+            Ok(m) if m.created + m.dropped > 0 => {
+                tracing::info!(
+                    created = m.created,
+                    dropped = m.dropped,
+                    "completed-message partitions"
+                )
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "completed-message retention upkeep failed"),
+        }
+    }
+}

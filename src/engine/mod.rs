@@ -132,6 +132,12 @@ impl EngineBuilder {
         self.config.topic_timeouts.push((pattern.into(), d));
         self
     }
+    /// See [`EngineConfig::keep_completed`] (default: delivered messages are deleted).
+    pub fn keep_completed(mut self, keep: Duration) -> Self {
+        self.config.keep_completed = Some(keep);
+        self
+    }
+
     /// See [`EngineConfig::hold_limit`] (default 1 s; zero: always lease).
     pub fn hold_limit(mut self, d: Duration) -> Self {
         self.config.hold_limit = d;
@@ -208,6 +214,11 @@ impl EngineBuilder {
             store = store.with_backoff(b)?;
         }
         store.check_schema().await?;
+        if let Some(keep) = self.config.keep_completed {
+            // The partitions of this hour and the next must exist before anything is completed.
+            store.maintain_completed(keep).await?;
+            store = store.with_archive(sink.name());
+        }
         Ok(Engine {
             store,
             sink,
@@ -361,6 +372,13 @@ impl Engine {
                 background.clone(),
             ))
         });
+        let retention = self.config.keep_completed.map(|keep| {
+            tokio::spawn(maintenance::keep_completed(
+                self.store.clone(),
+                keep,
+                background.clone(),
+            ))
+        });
         let scheduler = tokio::spawn(
             Scheduler::new(
                 self.store.clone(),
@@ -441,6 +459,9 @@ impl Engine {
         let _ = scheduler.await;
         if let Some(c) = cron {
             let _ = c.await;
+        }
+        if let Some(r) = retention {
+            let _ = r.await;
         }
         if let Some(t) = notifier_task {
             let _ = t.await;

@@ -57,6 +57,13 @@ pub enum Command {
     /// Move pending and scheduled messages to the dead letters (reason "cancelled"); running ones
     /// finish their current attempt and are not retried.
     Cancel(CancelArgs),
+    /// Where a message is: queued (and its state), dead-lettered (and why), or delivered (when,
+    /// by which sink; with [retention] keep_completed).
+    Show {
+        id: i64,
+        #[arg(long)]
+        json: bool,
+    },
     /// The configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -153,6 +160,7 @@ pub async fn execute(cli: Cli) -> Result<(), RelayError> {
         Command::Pause(args) => super::pause::pause(&settings, args).await?,
         Command::Resume(args) => super::pause::resume(&settings, args).await?,
         Command::Cancel(args) => super::cancel::run(&settings, args).await?,
+        Command::Show { id, json } => super::show::run(&settings, id, json).await?,
         Command::Demo { orders } => {
             let s = super::demo(settings, orders).await?;
             println!(

@@ -9,6 +9,7 @@ mod demo;
 mod enqueue;
 mod pause;
 mod serve;
+mod show;
 mod status;
 
 pub use dead::selector;
@@ -233,6 +234,7 @@ pub async fn run(
         metrics.clone(),
         settings.sample_interval,
         settings.running_limits(),
+        settings.engine.keep_completed.is_some(),
         shutdown.clone(),
     ));
     let mut engines = Vec::new();
@@ -294,6 +296,7 @@ async fn sample(
     metrics: Arc<Metrics>,
     every: Duration,
     limits: Vec<crate::store::Limit>,
+    retention: bool,
     stop: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(every);
@@ -312,6 +315,11 @@ async fn sample(
                 for l in &limits {
                     if let Ok(n) = store.limit_running(l).await {
                         metrics.limit(l, n);
+                    }
+                }
+                if retention {
+                    if let Ok((n, _)) = store.completed_kept().await {
+                        metrics.completed_kept(n);
                     }
                 }
             }

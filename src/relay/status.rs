@@ -30,6 +30,16 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
             .map_err(|e| RelayError::Runtime(e.into()))?;
         limits.push(serde_json::json!({"name": l.name(), "topics": l.patterns(), "max_running": l.max_running(), "per_key": l.is_per_key(), "running": running}));
     }
+    let retention = match settings.engine.keep_completed {
+        Some(keep) => {
+            let (kept, partitions) = store
+                .completed_kept()
+                .await
+                .map_err(|e| RelayError::Runtime(e.into()))?;
+            serde_json::json!({"keep_completed": humantime::format_duration(keep).to_string(), "kept": kept, "partitions": partitions})
+        }
+        None => serde_json::Value::Null,
+    };
     let matcher = crate::store::Topics::only(&paused);
     let is_paused = |topic: &str| !paused.is_empty() && matcher.matches(topic);
     if json {
@@ -41,7 +51,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
             .collect();
         println!(
             "{}",
-            serde_json::json!({"topics": stats.topics, "estimated": stats.estimated, "dead_total": stats.dead_total(), "stalled_keys": stalled, "paused": paused, "paused_topics": paused_topics, "schedules": schedules, "limits": limits})
+            serde_json::json!({"topics": stats.topics, "estimated": stats.estimated, "dead_total": stats.dead_total(), "stalled_keys": stalled, "paused": paused, "paused_topics": paused_topics, "schedules": schedules, "limits": limits, "retention": retention})
         );
     } else {
         println!(
@@ -80,6 +90,16 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
         }
         print_schedules(&schedules);
         print_limits(&limits);
+        if retention.is_null() {
+            println!("retention: off (delivered messages are deleted)");
+        } else {
+            println!(
+                "retention: keep_completed {}; ~{} delivered messages kept in {} hourly partitions (postbox show ID)",
+                retention["keep_completed"].as_str().unwrap_or(""),
+                retention["kept"],
+                retention["partitions"]
+            );
+        }
         if stalled.is_empty() {
             println!("stalled ordered keys: none");
         } else {

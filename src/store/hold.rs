@@ -89,12 +89,21 @@ const REGISTER: &str =
 /// owner $5) and deletes the registration. The ordered keys whose last delivered message is in $7
 /// (none of their messages leased: no head left in the hold) hand the next message over to the
 /// caller, up to $6 of them, or promote it (see `postbox.hand_over`; the lease is counted from now,
-/// not from the start of the hold). Rows: the messages handed over, then one summary row.
-const SETTLE: &str = r#"
+/// not from the start of the hold). Rows: the messages handed over, then one summary row. The
+/// second form also copies the delivered messages into `postbox.completed` (sink $8; a held
+/// message's attempt is not in its row yet).
+macro_rules! settle_sql {
+    ($returning:literal, $archive:literal) => {
+        concat!(
+            r#"
 WITH gone AS (
     DELETE FROM postbox.messages m WHERE m.id = ANY($1::bigint[])
-    RETURNING m.id, m.topic, m.key, m.ordered, m.state
-),
+    RETURNING m.id, m.topic, m.key, m.ordered, m.state"#,
+            $returning,
+            r#"
+),"#,
+            $archive,
+            r#"
 heads AS (
     SELECT array_agg(topic) AS topics, array_agg(key) AS keys, array_agg(id) AS ids
     FROM gone WHERE id = ANY($7::bigint[])
@@ -122,7 +131,24 @@ UNION ALL
 SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM leased),
        (SELECT count(*) FROM unregistered) = 1,
        0, '', NULL, false, 'null', '{}', 0::smallint, now(), 0, 0, now(), now(), 0::bigint, NULL, NULL
-"#;
+"#
+        )
+    };
+}
+
+const SETTLE: &str = settle_sql!("", "");
+
+const SETTLE_KEEP: &str = settle_sql!(
+    ", m.payload, m.headers, m.attempts, m.created_at",
+    r#"
+archived AS (
+    INSERT INTO postbox.completed (id, topic, key, payload, headers, attempts, created_at,
+                                   delivered_at, sink, relay)
+    SELECT id, topic, key, payload, headers, attempts + 1, created_at, statement_timestamp(), $8,
+           $5
+    FROM gone
+),"#
+);
 
 #[derive(QueryableByName)]
 struct HeldRow {
@@ -359,16 +385,26 @@ impl Store {
     ) -> Result<(HoldEnded, Vec<ClaimedMessage>)> {
         let after = last_delivered(&hold.keys, delivered, rest);
         let conn = &mut *hold.conn;
-        let rows: Vec<SettleRow> = diesel::sql_query(SETTLE)
-            .bind::<Array<BigInt>, _>(delivered)
-            .bind::<Array<BigInt>, _>(rest)
-            .bind::<Double, _>(lease.as_secs_f64())
-            .bind::<BigInt, _>(hold.token)
-            .bind::<Text, _>(&*self.owner)
-            .bind::<Integer, _>(i32::try_from(take).unwrap_or(i32::MAX))
-            .bind::<Array<BigInt>, _>(&after)
-            .load(conn)
-            .await?;
+        let take = i32::try_from(take).unwrap_or(i32::MAX);
+        let query = |sql| {
+            diesel::sql_query(sql)
+                .bind::<Array<BigInt>, _>(delivered)
+                .bind::<Array<BigInt>, _>(rest)
+                .bind::<Double, _>(lease.as_secs_f64())
+                .bind::<BigInt, _>(hold.token)
+                .bind::<Text, _>(&*self.owner)
+                .bind::<Integer, _>(take)
+                .bind::<Array<BigInt>, _>(&after)
+        };
+        let rows: Vec<SettleRow> = match &self.archive {
+            None => query(SETTLE).load(conn).await?,
+            Some(sink) => {
+                query(SETTLE_KEEP)
+                    .bind::<Text, _>(&**sink)
+                    .load(conn)
+                    .await?
+            }
+        };
         let mut summary = (0, 0, false);
         let mut handed = Vec::new();
         for row in rows {

@@ -25,6 +25,8 @@ mod listen;
 #[cfg(feature = "async")]
 mod pause;
 #[cfg(feature = "async")]
+mod retention;
+#[cfg(feature = "async")]
 mod schedule;
 #[cfg(feature = "async")]
 mod settle;
@@ -40,6 +42,7 @@ pub use self::{
     limit::Limit,
     listen::{listen, register_listener, still_running, unregister_listener},
     pause::unpaused,
+    retention::{Maintained, Shown},
     schedule::{PROMOTE_BATCH, Promoted},
     settle::{Dead, RESCUE_BATCH, Retry, RetryReport, Settled},
     stats::{
@@ -85,6 +88,8 @@ mod pool {
         pub(crate) pool: Pool,
         pub(crate) backoff: Backoff,
         pub(crate) owner: Arc<str>,
+        /// Keeps delivered messages in `postbox.completed`, naming this sink.
+        pub(crate) archive: Option<Arc<str>>,
     }
 
     impl std::fmt::Debug for Store {
@@ -105,6 +110,7 @@ mod pool {
                 pool,
                 backoff: Backoff::default(),
                 owner: format!("{host}:{}", std::process::id()).into(),
+                archive: None,
             }
         }
 
@@ -136,6 +142,14 @@ mod pool {
             backoff.validate()?;
             self.backoff = backoff;
             Ok(self)
+        }
+
+        /// Copies every message this store completes into `postbox.completed` (see
+        /// [`Store::maintain_completed`]), recording `sink` as what delivered it. The hot table is
+        /// unchanged: the copy is made by the statement that deletes the message.
+        pub fn with_archive(mut self, sink: impl Into<String>) -> Self {
+            self.archive = Some(sink.into().into());
+            self
         }
 
         /// Names this process in `locked_by` of the rows it claims.

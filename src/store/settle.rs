@@ -104,13 +104,21 @@ macro_rules! promote_heads_cte {
 /// key, and the first `$3` of those that are due are leased to the caller at once (`$4` seconds,
 /// token `$5`, owner `$6`): see `postbox.hand_over`. Rows: the messages handed over, as a claim
 /// returns them, then one row whose `done` holds the ids deleted (its other columns are filler).
-const COMPLETE: &str = r#"
+/// The second form also copies them into `postbox.completed` (sink `$7`).
+macro_rules! complete_sql {
+    ($returning:literal, $archive:literal) => {
+        concat!(
+            r#"
 WITH gone AS (
     DELETE FROM postbox.messages m
     USING unnest($1::bigint[], $2::bigint[]) AS d(id, token)
     WHERE m.id = d.id AND m.lease_token = d.token
-    RETURNING m.id, m.topic, m.key, m.ordered, m.state
-),
+    RETURNING m.id, m.topic, m.key, m.ordered, m.state"#,
+            $returning,
+            r#"
+),"#,
+            $archive,
+            r#"
 heads AS (
     SELECT array_agg(topic) AS topics, array_agg(key) AS keys, array_agg(id) AS ids
     FROM gone WHERE ordered AND state <> 'waiting'
@@ -124,7 +132,24 @@ FROM handed
 UNION ALL
 SELECT coalesce((SELECT array_agg(id) FROM gone), '{}'), 0, '', NULL, false, 'null', '{}',
        0::smallint, now(), 0, 0, now(), now(), 0::bigint, NULL, NULL
-"#;
+"#
+        )
+    };
+}
+
+const COMPLETE: &str = complete_sql!("", "");
+
+const COMPLETE_KEEP: &str = complete_sql!(
+    ", m.payload, m.headers, m.attempts, m.created_at, m.locked_by",
+    r#"
+archived AS (
+    INSERT INTO postbox.completed (id, topic, key, payload, headers, attempts, created_at,
+                                   delivered_at, sink, relay)
+    SELECT id, topic, key, payload, headers, attempts, created_at, statement_timestamp(), $7,
+           locked_by
+    FROM gone
+),"#
+);
 
 /// Columns copied from a message into its dead letter (without the reason columns).
 macro_rules! dead_columns {
@@ -338,15 +363,32 @@ impl Store {
         let (ids, tokens) = split(leases.iter().copied());
         let token = fastrand::i64(..);
         let mut conn = self.conn().await?;
-        let rows: Vec<CompleteRow> = diesel::sql_query(COMPLETE)
-            .bind::<Array<BigInt>, _>(&ids)
-            .bind::<Array<BigInt>, _>(&tokens)
-            .bind::<Integer, _>(i32::try_from(take).unwrap_or(i32::MAX))
-            .bind::<Double, _>(lease.as_secs_f64())
-            .bind::<BigInt, _>(token)
-            .bind::<Text, _>(&*self.owner)
-            .load(&mut conn)
-            .await?;
+        let take = i32::try_from(take).unwrap_or(i32::MAX);
+        let rows: Vec<CompleteRow> = match &self.archive {
+            None => {
+                diesel::sql_query(COMPLETE)
+                    .bind::<Array<BigInt>, _>(&ids)
+                    .bind::<Array<BigInt>, _>(&tokens)
+                    .bind::<Integer, _>(take)
+                    .bind::<Double, _>(lease.as_secs_f64())
+                    .bind::<BigInt, _>(token)
+                    .bind::<Text, _>(&*self.owner)
+                    .load(&mut conn)
+                    .await?
+            }
+            Some(sink) => {
+                diesel::sql_query(COMPLETE_KEEP)
+                    .bind::<Array<BigInt>, _>(&ids)
+                    .bind::<Array<BigInt>, _>(&tokens)
+                    .bind::<Integer, _>(take)
+                    .bind::<Double, _>(lease.as_secs_f64())
+                    .bind::<BigInt, _>(token)
+                    .bind::<Text, _>(&*self.owner)
+                    .bind::<Text, _>(&**sink)
+                    .load(&mut conn)
+                    .await?
+            }
+        };
         let mut done = Vec::new();
         let mut next = Vec::with_capacity(rows.len().saturating_sub(1));
         for row in rows {

@@ -234,6 +234,7 @@ const SCHEMA_READY: &str = "SELECT to_regclass('postbox.messages') IS NOT NULL
     AND to_regprocedure('postbox.lost_holds()') IS NOT NULL
     AND to_regclass('postbox.pauses') IS NOT NULL
     AND to_regclass('postbox.schedules') IS NOT NULL
+    AND to_regclass('postbox.completed') IS NOT NULL
     AND to_regprocedure('postbox.claim_limited(text, integer, boolean, boolean, text[], text[], integer, double precision, boolean, text[], text[], text[], text[], bigint, text)') IS NOT NULL
     AS ready";
 

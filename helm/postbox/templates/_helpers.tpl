@@ -91,6 +91,12 @@ hold_limit = {{ .Values.config.relay.holdLimit | quote }}
 topic_timeouts = { {{- range $pattern, $timeout := . }}{{ if not $first }},{{ end }} {{ $pattern | quote }} = {{ $timeout | quote }}{{ $first = false }}{{- end }} }
 {{- end }}
 
+{{- with .Values.config.retention.keepCompleted }}
+
+[retention]
+keep_completed = {{ . | quote }}
+{{- end }}
+
 [metrics]
 listen = "0.0.0.0:{{ .Values.config.metrics.port | int }}"
 sample_interval = {{ .Values.config.metrics.sampleInterval | quote }}

@@ -1,0 +1,260 @@
+//! Completed-message retention: `postbox.completed`, one partition per UTC hour, filled by the
+//! settle statements of a store [`with_archive`](Store::with_archive), expired by dropping whole
+//! partitions; and where a message is now ([`Store::show`]).
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use diesel::QueryableByName;
+use diesel::sql_types::{BigInt, Bool, Double, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+
+use super::Store;
+use crate::error::Result;
+use crate::message::MessageId;
+
+/// Partitions are created this far ahead, so a relay whose maintenance stops (or a clock that
+/// jumps) does not find the hour's partition missing for a day.
+pub const COMPLETED_AHEAD: Duration = Duration::from_secs(24 * 3600);
+
+/// What one round of [`Store::maintain_completed`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Maintained {
+    /// Hourly partitions created.
+    pub created: usize,
+    /// Hourly partitions dropped (every message in them delivered longer ago than kept).
+    pub dropped: usize,
+}
+
+/// Where a message is, and what happened to it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum Shown {
+    /// In the queue: `state` is available, scheduled, running or waiting.
+    Queued {
+        id: MessageId,
+        topic: String,
+        key: Option<String>,
+        state: String,
+        attempts: i32,
+        max_attempts: i32,
+        created_at: DateTime<Utc>,
+        run_at: DateTime<Utc>,
+        locked_by: Option<String>,
+        last_error: Option<String>,
+        payload: serde_json::Value,
+        headers: serde_json::Value,
+    },
+    /// In the dead letters.
+    Dead {
+        id: MessageId,
+        topic: String,
+        key: Option<String>,
+        reason: String,
+        attempts: i32,
+        created_at: DateTime<Utc>,
+        dead_at: DateTime<Utc>,
+        last_error: Option<String>,
+        payload: serde_json::Value,
+        headers: serde_json::Value,
+    },
+    /// Delivered, and kept by retention.
+    Delivered {
+        id: MessageId,
+        topic: String,
+        key: Option<String>,
+        attempts: i32,
+        created_at: DateTime<Utc>,
+        delivered_at: DateTime<Utc>,
+        sink: String,
+        relay: Option<String>,
+        payload: serde_json::Value,
+        headers: serde_json::Value,
+    },
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = Integer)]
+    n: i32,
+}
+
+#[derive(QueryableByName)]
+struct Expired {
+    #[diesel(sql_type = Text)]
+    name: String,
+    #[diesel(sql_type = Bool)]
+    detach_pending: bool,
+}
+
+/// One row of the three places a message can be (the columns a place lacks are NULL).
+#[derive(QueryableByName)]
+struct Found {
+    #[diesel(sql_type = Text)]
+    place: String,
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    key: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    state: Option<String>,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = Nullable<Integer>)]
+    max_attempts: Option<i32>,
+    #[diesel(sql_type = Timestamptz)]
+    created_at: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = Nullable<Text>)]
+    who: Option<String>,
+    #[diesel(sql_type = Nullable<Text>)]
+    detail: Option<String>,
+    #[diesel(sql_type = Jsonb)]
+    payload: serde_json::Value,
+    #[diesel(sql_type = Jsonb)]
+    headers: serde_json::Value,
+}
+
+#[derive(QueryableByName)]
+struct Kept {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+    #[diesel(sql_type = BigInt)]
+    p: i64,
+}
+
+/// The statistics' live rows of the hourly partitions (no scan).
+const KEPT: &str = "SELECT coalesce(sum(n_live_tup), 0)::bigint AS n, count(*)::bigint AS p
+FROM pg_stat_user_tables
+WHERE schemaname = 'postbox' AND relname ~ '^completed_[0-9]{8}_[0-9]{2}$'";
+
+const PARTITIONS: &str = "SELECT postbox.completed_partitions(make_interval(secs => $1)) AS n";
+const EXPIRED: &str =
+    "SELECT name, detach_pending FROM postbox.completed_expired(now() - make_interval(secs => $1))";
+
+/// The live message first, then its dead letter, then its delivered copies (a replayed dead
+/// letter can have been delivered once before), newest first.
+const FIND: &str = "
+SELECT 'queued' AS place, id, topic, key, state::text AS state, attempts, max_attempts, created_at,
+       run_at AS at, locked_by AS who, last_error AS detail, payload, headers, 0 AS rank,
+       now() AS sort
+FROM postbox.messages WHERE id = $1
+UNION ALL
+SELECT 'dead', id, topic, key, NULL, attempts, max_attempts, created_at, dead_at,
+       reason, last_error, payload, headers, 1, dead_at
+FROM postbox.dead_letters WHERE id = $1
+UNION ALL
+SELECT 'delivered', id, topic, key, NULL, attempts, NULL, created_at, delivered_at, relay,
+       sink, payload, headers, 2, delivered_at
+FROM postbox.completed WHERE id = $1
+ORDER BY rank, sort DESC";
+
+impl Store {
+    /// Retention upkeep, safe on every replica at once: creates the hourly partitions of
+    /// `postbox.completed` from this hour to [`COMPLETED_AHEAD`], and detaches (concurrently: the
+    /// settle path is never blocked) and drops those whose hour ended more than `keep` ago.
+    pub async fn maintain_completed(&self, keep: Duration) -> Result<Maintained> {
+        let mut conn = self.conn().await?;
+        let created: Count = diesel::sql_query(PARTITIONS)
+            .bind::<Double, _>(COMPLETED_AHEAD.as_secs_f64())
+            .get_result(&mut conn)
+            .await?;
+        let expired: Vec<Expired> = diesel::sql_query(EXPIRED)
+            .bind::<Double, _>(keep.as_secs_f64())
+            .load(&mut conn)
+            .await?;
+        let mut dropped = 0;
+        for p in expired {
+            // The name matched ^completed_[0-9]{8}_[0-9]{2}$: nothing to quote.
+            let detach = if p.detach_pending {
+                format!(
+                    "ALTER TABLE postbox.completed DETACH PARTITION postbox.{} FINALIZE",
+                    p.name
+                )
+            } else {
+                format!(
+                    "ALTER TABLE postbox.completed DETACH PARTITION postbox.{} CONCURRENTLY",
+                    p.name
+                )
+            };
+            match conn.batch_execute(&detach).await {
+                Ok(()) => {}
+                // Another relay detached it first.
+                Err(e) if e.to_string().contains("is not a partition") => continue,
+                Err(e) => return Err(e.into()),
+            }
+            conn.batch_execute(&format!("DROP TABLE IF EXISTS postbox.{}", p.name))
+                .await?;
+            dropped += 1;
+        }
+        Ok(Maintained {
+            created: usize::try_from(created.n).unwrap_or(0),
+            dropped,
+        })
+    }
+
+    /// About how many delivered messages are kept (from the statistics, no scan), and in how
+    /// many hourly partitions.
+    pub async fn completed_kept(&self) -> Result<(i64, i64)> {
+        let mut conn = self.conn().await?;
+        let k: Kept = diesel::sql_query(KEPT).get_result(&mut conn).await?;
+        Ok((k.n, k.p))
+    }
+
+    /// Where message `id` is: queued (with its state), dead-lettered, or delivered and kept by
+    /// retention (with when, by which sink and relay). `None`: never enqueued, or delivered and
+    /// not kept (retention off, or expired).
+    pub async fn show(&self, id: MessageId) -> Result<Option<Shown>> {
+        let mut conn = self.conn().await?;
+        let rows: Vec<Found> = diesel::sql_query(FIND)
+            .bind::<BigInt, _>(id)
+            .load(&mut conn)
+            .await?;
+        Ok(rows.into_iter().next().map(|r| {
+            let at = r.at.unwrap_or(r.created_at);
+            match r.place.as_str() {
+                "queued" => Shown::Queued {
+                    id: r.id,
+                    topic: r.topic,
+                    key: r.key,
+                    state: r.state.unwrap_or_default(),
+                    attempts: r.attempts,
+                    max_attempts: r.max_attempts.unwrap_or_default(),
+                    created_at: r.created_at,
+                    run_at: at,
+                    locked_by: r.who,
+                    last_error: r.detail,
+                    payload: r.payload,
+                    headers: r.headers,
+                },
+                "dead" => Shown::Dead {
+                    id: r.id,
+                    topic: r.topic,
+                    key: r.key,
+                    reason: r.who.unwrap_or_default(),
+                    attempts: r.attempts,
+                    created_at: r.created_at,
+                    dead_at: at,
+                    last_error: r.detail,
+                    payload: r.payload,
+                    headers: r.headers,
+                },
+                _ => Shown::Delivered {
+                    id: r.id,
+                    topic: r.topic,
+                    key: r.key,
+                    attempts: r.attempts,
+                    created_at: r.created_at,
+                    delivered_at: at,
+                    sink: r.detail.unwrap_or_default(),
+                    relay: r.who,
+                    payload: r.payload,
+                    headers: r.headers,
+                },
+            }
+        }))
+    }
+}
