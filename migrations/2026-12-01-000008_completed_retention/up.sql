@@ -20,8 +20,10 @@ CREATE TABLE postbox.completed (
     relay text
 ) PARTITION BY RANGE (delivered_at);
 
--- `postbox show ID`: one probe per partition.
-CREATE INDEX completed_id_idx ON postbox.completed (id);
+-- `postbox show ID`: one probe per partition. BRIN, not btree: ids arrive in about increasing
+-- order, and a BRIN entry per 128 pages costs the settle path almost nothing (measured: the
+-- drain with retention on at 0.94 of off with BRIN, 0.87 with a btree).
+CREATE INDEX completed_id_idx ON postbox.completed USING brin (id);
 
 -- Creates the missing partitions (one per UTC hour, named completed_YYYYMMDD_HH) from the current
 -- hour until p_ahead from now. Returns how many it created. Relays take turns on an advisory lock
