@@ -621,13 +621,42 @@ fn metrics_and_health_are_served_and_pass_promtool() {
          VALUES ('m.stalled', 'k', true, now() + interval '1 hour', 1, 'refused');",
     );
     let port = free_port();
-    let mut relay = spawn_relay(&db.url, port);
+    // A schedule, a limit and retention: their metric families exist too.
+    let config = file(&format!(
+        r#"database_url = "{}"
+[retention]
+keep_completed = "1h"
+
+[[schedules]]
+name = "every-second"
+cron = "* * * * * *"
+topic = "m.tick"
+
+[[limits]]
+topics = ["m.limited"]
+max_running = 2
+"#,
+        db.url
+    ));
+    let mut relay = hermetic(BIN)
+        .args(["--config", config.as_str(), "run"])
+        .env("POSTBOX_METRICS_LISTEN", format!("127.0.0.1:{port}"))
+        .env("POSTBOX_POLL_INTERVAL", "200ms")
+        .env("POSTBOX_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     assert!(
         wait_for(Duration::from_secs(20), || get(port, "/readyz")
             .is_some_and(|(c, _)| c == 200)),
         "never ready"
     );
     assert_eq!(get(port, "/healthz").unwrap().0, 200);
+    assert!(wait_for(Duration::from_secs(20), || get(port, "/metrics")
+        .is_some_and(|(_, b)| b
+            .contains("postbox_schedule_last_tick_timestamp_seconds{")
+            && b.contains("postbox_completed_kept"))));
     assert!(wait_for(Duration::from_secs(20), || get(port, "/metrics")
         .is_some_and(|(_, b)| b.contains(
             r#"postbox_messages_delivered_total{sink="log",topic="m.two"} 1"#
@@ -650,6 +679,9 @@ fn metrics_and_health_are_served_and_pass_promtool() {
         "postbox_database_up 1",
         "postbox_notifier_connected 1",
         "postbox_build_info",
+        "postbox_limit_running{limit=\"m.limited\"} 0",
+        "postbox_limit_max_running{limit=\"m.limited\"} 2",
+        "postbox_schedule_fired_total{schedule=\"every-second\"}",
     ] {
         assert!(body.contains(name), "{name} missing:\n{body}");
     }
@@ -676,7 +708,8 @@ fn metrics_and_health_are_served_and_pass_promtool() {
         text(&lint.stderr)
     );
     assert!(terminate(&mut relay).success());
-    // Stopped by SIGTERM, it handed nothing back because nothing was running: stdout has both messages.
+    // Stopped by SIGTERM, it handed nothing back because nothing was running: stdout has both
+    // messages (and the schedule's ticks).
     let mut out = String::new();
     relay
         .stdout
@@ -684,7 +717,8 @@ fn metrics_and_health_are_served_and_pass_promtool() {
         .unwrap()
         .read_to_string(&mut out)
         .unwrap();
-    assert_eq!(out.lines().count(), 2, "{out}");
+    let enqueued = out.lines().filter(|l| !l.contains("\"m.tick\"")).count();
+    assert_eq!(enqueued, 2, "{out}");
 }
 
 /// Every `postbox_*` metric named by the chart's Grafana dashboard and alerts is in `scrape`.
