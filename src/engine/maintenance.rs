@@ -145,7 +145,6 @@ impl Scheduler {
 pub(crate) async fn keep_completed(store: Store, keep: Duration, stop: CancellationToken) {
     let mut tick = tokio::time::interval(super::config::RETENTION_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await; // the engine did one round before it started
     loop {
         tokio::select! {
             _ = tick.tick() => {}

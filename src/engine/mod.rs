@@ -214,9 +214,10 @@ impl EngineBuilder {
             store = store.with_backoff(b)?;
         }
         store.check_schema().await?;
-        if let Some(keep) = self.config.keep_completed {
-            // The partitions of this hour and the next must exist before anything is completed.
-            store.maintain_completed(keep).await?;
+        if self.config.keep_completed.is_some() {
+            // The partitions of this hour and the next must exist before anything is completed
+            // (expired ones are dropped in the background: a detach waits for older transactions).
+            store.prepare_completed().await?;
             store = store.with_archive(sink.name());
         }
         Ok(Engine {

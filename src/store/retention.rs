@@ -153,15 +153,24 @@ FROM postbox.completed WHERE id = $1
 ORDER BY rank, sort DESC";
 
 impl Store {
-    /// Retention upkeep, safe on every replica at once: creates the hourly partitions of
-    /// `postbox.completed` from this hour to [`COMPLETED_AHEAD`], and detaches (concurrently: the
-    /// settle path is never blocked) and drops those whose hour ended more than `keep` ago.
-    pub async fn maintain_completed(&self, keep: Duration) -> Result<Maintained> {
+    /// Creates the hourly partitions of `postbox.completed` from this hour to
+    /// [`COMPLETED_AHEAD`] (what an engine keeping completed messages needs before it completes
+    /// any); returns how many it created.
+    pub async fn prepare_completed(&self) -> Result<usize> {
         let mut conn = self.conn().await?;
         let created: Count = diesel::sql_query(PARTITIONS)
             .bind::<Double, _>(COMPLETED_AHEAD.as_secs_f64())
             .get_result(&mut conn)
             .await?;
+        Ok(usize::try_from(created.n).unwrap_or(0))
+    }
+
+    /// Retention upkeep, safe on every replica at once: creates the hourly partitions of
+    /// `postbox.completed` from this hour to [`COMPLETED_AHEAD`], and detaches (concurrently: the
+    /// settle path is never blocked) and drops those whose hour ended more than `keep` ago.
+    pub async fn maintain_completed(&self, keep: Duration) -> Result<Maintained> {
+        let created = self.prepare_completed().await?;
+        let mut conn = self.conn().await?;
         let expired: Vec<Expired> = diesel::sql_query(EXPIRED)
             .bind::<Double, _>(keep.as_secs_f64())
             .load(&mut conn)
@@ -190,10 +199,7 @@ impl Store {
                 .await?;
             dropped += 1;
         }
-        Ok(Maintained {
-            created: usize::try_from(created.n).unwrap_or(0),
-            dropped,
-        })
+        Ok(Maintained { created, dropped })
     }
 
     /// About how many delivered messages are kept (from the statistics, no scan), and in how
