@@ -584,6 +584,41 @@ async fn retention(url: &str, n: usize, claimers: Option<usize>) {
         if kept.is_some() { &mut on } else { &mut off }.push(rate);
     }
     println!("retention_drain_ratio={:.2}", median(&on) / median(&off));
+    // Claim latency in a claim-and-complete cycle over a 100,000-message backlog, off and on
+    // alternating: 500 claims of 100 each, the completions copying (on) or not (off).
+    let (mut off99, mut on99) = (Vec::new(), Vec::new());
+    for round in 0..4 {
+        let kept = round % 2 == 1;
+        reset(url);
+        enqueue_noop(url, n).await;
+        let mut store = postbox::Store::connect(url, 4).await.unwrap();
+        if kept {
+            store.prepare_completed().await.unwrap();
+            store = store.with_archive("bench");
+        }
+        let mut lat = Vec::with_capacity(500);
+        for _ in 0..500 {
+            let t = Instant::now();
+            let got = store
+                .claim(100, Duration::from_secs(30), &postbox::Topics::all())
+                .await
+                .unwrap();
+            lat.push(t.elapsed().as_secs_f64() * 1000.0);
+            let leases: Vec<_> = got.iter().map(|m| m.lease()).collect();
+            store.complete(&leases).await.unwrap();
+        }
+        lat.sort_by(f64::total_cmp);
+        let (p50, p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
+        println!(
+            "retention {}: claim of 100 p50 {p50:.2} ms, p99 {p99:.2} ms",
+            if kept { "on " } else { "off" }
+        );
+        if kept { &mut on99 } else { &mut off99 }.push(p99);
+    }
+    println!(
+        "retention_claim_p99_ratio={:.2}",
+        median(&on99) / median(&off99)
+    );
 }
 
 #[tokio::main]
