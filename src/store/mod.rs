@@ -17,6 +17,8 @@ mod cron;
 #[cfg(feature = "async")]
 mod dead;
 #[cfg(feature = "async")]
+mod explain;
+#[cfg(feature = "async")]
 mod hold;
 #[cfg(feature = "async")]
 mod limit;
@@ -38,6 +40,7 @@ pub use self::{
     cancel::{CancelSelector, Cancelled},
     claim::{ClaimedMessage, Topics},
     dead::{DeadLetter, DeadSelector, ReplayReport},
+    explain::SettleStatement,
     hold::{Hold, HoldEnded},
     limit::Limit,
     listen::{listen, register_listener, still_running, unregister_listener},

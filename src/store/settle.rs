@@ -1,5 +1,10 @@
 //! Settling claimed messages: complete, retry, dead-letter, release, extend; and rescue of
 //! expired leases. Each is one statement over a whole batch, fenced by the lease.
+//!
+//! The leases come as arrays (`$1` ids, `$2` tokens) joined to the table, and every statement also
+//! says `m.id = ANY($1)`: without it the planner may join a large batch to a mid-sized backlog by
+//! hashing the whole table (1,000 leases in 100,000 rows: a 17 ms scan instead of 2 ms of
+//! primary-key lookups; see `Store::explain_settle`).
 
 use std::time::Duration;
 
@@ -112,7 +117,7 @@ macro_rules! complete_sql {
 WITH gone AS (
     DELETE FROM postbox.messages m
     USING unnest($1::bigint[], $2::bigint[]) AS d(id, token)
-    WHERE m.id = d.id AND m.lease_token = d.token
+    WHERE m.id = ANY($1::bigint[]) AND m.id = d.id AND m.lease_token = d.token
     RETURNING m.id, m.topic, m.key, m.ordered, m.state"#,
             $returning,
             r#"
@@ -137,9 +142,9 @@ SELECT coalesce((SELECT array_agg(id) FROM gone), '{}'), 0, '', NULL, false, 'nu
     };
 }
 
-const COMPLETE: &str = complete_sql!("", "");
+pub(super) const COMPLETE: &str = complete_sql!("", "");
 
-const COMPLETE_KEEP: &str = complete_sql!(
+pub(super) const COMPLETE_KEEP: &str = complete_sql!(
     ", m.payload, m.headers, m.attempts, m.created_at, m.locked_by",
     r#"
 archived AS (
@@ -176,7 +181,7 @@ macro_rules! backoff_sql {
     };
 }
 
-const RETRY: &str = concat!(
+pub(super) const RETRY: &str = concat!(
     r#"
 WITH input AS (
     SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::float8[])
@@ -184,7 +189,8 @@ WITH input AS (
 ),
 exhausted AS (
     DELETE FROM postbox.messages m USING input i
-    WHERE m.id = i.id AND m.lease_token = i.token AND (m.attempts >= m.max_attempts OR m.cancelled)
+    WHERE m.id = ANY($1::bigint[]) AND m.id = i.id AND m.lease_token = i.token
+      AND (m.attempts >= m.max_attempts OR m.cancelled)
     RETURNING m.*, i.error AS error
 ),
 "#,
@@ -212,7 +218,8 @@ retried AS (
     backoff_sql!("$5", "$6", "$7"),
     r#"))
     FROM input i
-    WHERE m.id = i.id AND m.lease_token = i.token AND m.attempts < m.max_attempts AND NOT m.cancelled
+    WHERE m.id = ANY($1::bigint[]) AND m.id = i.id AND m.lease_token = i.token
+      AND m.attempts < m.max_attempts AND NOT m.cancelled
     RETURNING m.id
 )
 SELECT id, false AS dead FROM retried
@@ -221,14 +228,14 @@ SELECT id, true AS dead FROM buried
 "#
 );
 
-const DEAD_LETTER: &str = concat!(
+pub(super) const DEAD_LETTER: &str = concat!(
     r#"
 WITH input AS (
     SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS i(id, token, reason)
 ),
 gone AS (
     DELETE FROM postbox.messages m USING input i
-    WHERE m.id = i.id AND m.lease_token = i.token
+    WHERE m.id = ANY($1::bigint[]) AND m.id = i.id AND m.lease_token = i.token
     RETURNING m.*, i.reason AS dead_reason
 ),
 "#,
@@ -245,19 +252,19 @@ RETURNING id
 "#
 );
 
-const RELEASE: &str = r#"
+pub(super) const RELEASE: &str = r#"
 UPDATE postbox.messages m
 SET state = 'available', attempts = greatest(m.attempts - 1, 0), locked_until = NULL, lease_token = NULL, locked_by = NULL
 FROM unnest($1::bigint[], $2::bigint[]) AS d(id, token)
-WHERE m.id = d.id AND m.lease_token = d.token
+WHERE m.id = ANY($1::bigint[]) AND m.id = d.id AND m.lease_token = d.token
 RETURNING m.id
 "#;
 
-const EXTEND: &str = r#"
+pub(super) const EXTEND: &str = r#"
 UPDATE postbox.messages m
 SET locked_until = now() + make_interval(secs => $3)
 FROM unnest($1::bigint[], $2::bigint[]) AS d(id, token)
-WHERE m.id = d.id AND m.lease_token = d.token
+WHERE m.id = ANY($1::bigint[]) AND m.id = d.id AND m.lease_token = d.token
 RETURNING m.id
 "#;
 
