@@ -39,6 +39,8 @@ pub const DEFAULT_HOLD_LIMIT: Duration = Duration::from_secs(1);
 /// Held batches in flight per engine at most, each on a pool connection of its own; past that,
 /// claims lease.
 pub const MAX_HOLDS: usize = 4;
+/// How long a claim loop with a backlog waits for a hold to end before it leases instead.
+pub const HOLD_SLOT_WAIT: Duration = Duration::from_millis(20);
 /// How often expired leases are rescued.
 pub const DEFAULT_RESCUE_INTERVAL: Duration = Duration::from_secs(10);
 /// Most outcomes written per completer flush.

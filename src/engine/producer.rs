@@ -13,7 +13,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::completer::{HandOver, Settle, SettleKind};
-use super::config::{EngineConfig, LINGER_STEP, MAX_HOLDS};
+use super::config::{EngineConfig, HOLD_SLOT_WAIT, LINGER_STEP, MAX_HOLDS};
 use super::notifier::Notifier;
 use super::observer::Observer;
 use crate::sink::{Outcome, Sink, Unavailable};
@@ -427,7 +427,7 @@ impl Producer {
         let slot = if self.config.hold_limit.is_zero() || !cursor.backlog {
             None
         } else {
-            self.holds.clone().try_acquire_owned().ok()
+            self.hold_slot().await
         };
         if let Some(slot) = slot {
             // Ordered keys being drained: a hold's keys are claimable again only once it ends, so
@@ -481,6 +481,22 @@ impl Producer {
             self.dispatch(batch, chunk, reserved, tasks);
         }
         Ok(limited + got)
+    }
+
+    /// A place among the engine's holds in flight: one that is free, or the first to free up
+    /// within [`HOLD_SLOT_WAIT`] (a hold ends in a few milliseconds once its deliveries are done;
+    /// leasing meanwhile would write every row twice and walk past the rows the holds lock).
+    /// None if every hold is still delivering then: the claim leases.
+    async fn hold_slot(&self) -> Option<OwnedSemaphorePermit> {
+        if let Ok(slot) = self.holds.clone().try_acquire_owned() {
+            return Some(slot);
+        }
+        tokio::select! {
+            slot = tokio::time::timeout(HOLD_SLOT_WAIT, self.holds.clone().acquire_owned()) => {
+                slot.ok()?.ok()
+            }
+            _ = self.shutdown.cancelled() => None,
+        }
     }
 
     /// Starts one delivery per chunk of leased messages, each holding one of the reserved permits.
