@@ -37,7 +37,7 @@ pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(60);
 /// Longest a batch is held (see [`EngineConfig::hold_limit`]).
 pub const DEFAULT_HOLD_LIMIT: Duration = Duration::from_secs(1);
 /// Held batches in flight per engine at most, each on a pool connection of its own; past that,
-/// claims lease.
+/// a claim waits up to [`HOLD_SLOT_WAIT`] for one to end, then leases.
 pub const MAX_HOLDS: usize = 4;
 /// How long a claim loop with a backlog waits for a hold to end before it leases instead.
 pub const HOLD_SLOT_WAIT: Duration = Duration::from_millis(20);
