@@ -344,8 +344,6 @@ impl Store {
     /// transaction that is rolled back: nothing is claimed. For operators, and for the tests that
     /// keep the plans honest.
     pub async fn explain_claim(&self, batch: usize, topics: &Topics) -> Result<String> {
-        use diesel_async::AsyncConnection;
-
         #[derive(QueryableByName)]
         struct Body {
             #[diesel(sql_type = Text)]
@@ -355,11 +353,6 @@ impl Store {
         struct Busy {
             #[diesel(sql_type = Array<Text>)]
             topics: Vec<String>,
-        }
-        #[derive(QueryableByName)]
-        struct Line {
-            #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
-            line: String,
         }
         let mut conn = self.conn().await?;
         let body: Body = diesel::sql_query(CLAIM_TOPIC_BODY)
@@ -377,31 +370,26 @@ impl Store {
             .await?;
         let sql = format!("EXPLAIN (ANALYZE, BUFFERS) {statement}");
         let mut plan = String::new();
-        let r = conn
-            .transaction(async |conn| {
-                use diesel_async::SimpleAsyncConnection;
-                conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off")
+        super::explain::rolled_back(&mut conn, async |conn| {
+            use diesel_async::SimpleAsyncConnection;
+            conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off")
+                .await?;
+            for topic in &busy.topics {
+                let lines: Vec<super::explain::PlanLine> = diesel::sql_query(&sql)
+                    .bind::<Text, _>(topic)
+                    .bind::<Integer, _>(i32::try_from(batch).unwrap_or(i32::MAX))
+                    .bind::<Double, _>(30.0)
+                    .bind::<BigInt, _>(0)
+                    .bind::<Text, _>("explain")
+                    .load(conn)
                     .await?;
-                for topic in &busy.topics {
-                    let lines: Vec<Line> = diesel::sql_query(&sql)
-                        .bind::<Text, _>(topic)
-                        .bind::<Integer, _>(i32::try_from(batch).unwrap_or(i32::MAX))
-                        .bind::<Double, _>(30.0)
-                        .bind::<BigInt, _>(0)
-                        .bind::<Text, _>("explain")
-                        .load(conn)
-                        .await?;
-                    plan.push_str(&format!("-- topic {topic}\n"));
-                    plan.extend(lines.into_iter().map(|l| l.line + "\n"));
-                }
-                Err::<(), _>(diesel::result::Error::RollbackTransaction)
-            })
-            .await;
-        match r {
-            Err(diesel::result::Error::RollbackTransaction) => Ok(plan),
-            Err(e) => Err(e.into()),
-            Ok(()) => unreachable!("the transaction always rolls back"),
-        }
+                plan.push_str(&format!("-- topic {topic}\n"));
+                plan.extend(lines.into_iter().map(|l| l.line + "\n"));
+            }
+            Ok(())
+        })
+        .await?;
+        Ok(plan)
     }
 }
 

@@ -3,7 +3,7 @@
 
 use diesel::QueryableByName;
 use diesel::sql_types::{Array, BigInt, Double, Integer, Nullable, Text};
-use diesel_async::{AsyncConnection, RunQueryDsl};
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
 use super::settle::{COMPLETE, COMPLETE_KEEP, DEAD_LETTER, EXTEND, RELEASE, RETRY};
 use super::{Lease, Store, split};
@@ -24,6 +24,25 @@ pub enum SettleStatement {
     Extend,
 }
 
+/// One line of an `EXPLAIN` result.
+#[derive(QueryableByName)]
+pub(super) struct PlanLine {
+    #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
+    pub(super) line: String,
+}
+
+/// Runs `f` in a transaction that is always rolled back: an `EXPLAIN ANALYZE` runs its statement,
+/// and nothing of it stays.
+pub(super) async fn rolled_back(
+    conn: &mut AsyncPgConnection,
+    f: impl AsyncFnOnce(&mut AsyncPgConnection) -> diesel::QueryResult<()>,
+) -> Result<()> {
+    AnsiTransactionManager::begin_transaction(conn).await?;
+    let r = f(conn).await;
+    AnsiTransactionManager::rollback_transaction(conn).await?;
+    Ok(r?)
+}
+
 impl Store {
     /// `EXPLAIN (ANALYZE, BUFFERS)` of `statement` settling `leases`, run in a transaction that is
     /// rolled back: nothing is settled.
@@ -32,11 +51,6 @@ impl Store {
         statement: SettleStatement,
         leases: &[Lease],
     ) -> Result<String> {
-        #[derive(QueryableByName)]
-        struct Line {
-            #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
-            line: String,
-        }
         let (ids, tokens) = split(leases.iter().copied());
         let texts = vec!["explain"; leases.len()];
         let delays: Vec<Option<f64>> = vec![None; leases.len()];
@@ -45,57 +59,50 @@ impl Store {
         let explain = |sql: &str| format!("EXPLAIN (ANALYZE, BUFFERS) {sql}");
         let mut conn = self.conn().await?;
         let mut plan = String::new();
-        let r = conn
-            .transaction(async |conn| {
-                let q = |sql: &str| {
-                    diesel::sql_query(explain(sql))
-                        .into_boxed()
-                        .bind::<Array<BigInt>, _>(&ids)
-                        .bind::<Array<BigInt>, _>(&tokens)
-                };
-                let lines: Vec<Line> = match statement {
-                    SettleStatement::Complete => {
-                        let q = |sql| {
-                            q(sql)
-                                .bind::<Integer, _>(0)
-                                .bind::<Double, _>(30.0)
-                                .bind::<BigInt, _>(0)
-                                .bind::<Text, _>(owner)
-                        };
-                        match &self.archive {
-                            None => q(COMPLETE).load(conn).await?,
-                            Some(sink) => {
-                                q(COMPLETE_KEEP).bind::<Text, _>(&**sink).load(conn).await?
-                            }
-                        }
+        rolled_back(&mut conn, async |conn| {
+            let q = |sql: &str| {
+                diesel::sql_query(explain(sql))
+                    .into_boxed()
+                    .bind::<Array<BigInt>, _>(&ids)
+                    .bind::<Array<BigInt>, _>(&tokens)
+            };
+            let lines: Vec<PlanLine> = match statement {
+                SettleStatement::Complete => {
+                    let q = |sql| {
+                        q(sql)
+                            .bind::<Integer, _>(0)
+                            .bind::<Double, _>(30.0)
+                            .bind::<BigInt, _>(0)
+                            .bind::<Text, _>(owner)
+                    };
+                    match &self.archive {
+                        None => q(COMPLETE).load(conn).await?,
+                        Some(sink) => q(COMPLETE_KEEP).bind::<Text, _>(&**sink).load(conn).await?,
                     }
-                    SettleStatement::Retry => {
-                        q(RETRY)
-                            .bind::<Array<Text>, _>(&texts)
-                            .bind::<Array<Nullable<Double>>, _>(&delays)
-                            .bind::<Double, _>(b.base.as_secs_f64())
-                            .bind::<Double, _>(b.cap.as_secs_f64())
-                            .bind::<Double, _>(b.jitter)
-                            .load(conn)
-                            .await?
-                    }
-                    SettleStatement::DeadLetter => {
-                        q(DEAD_LETTER)
-                            .bind::<Array<Text>, _>(&texts)
-                            .load(conn)
-                            .await?
-                    }
-                    SettleStatement::Release => q(RELEASE).load(conn).await?,
-                    SettleStatement::Extend => q(EXTEND).bind::<Double, _>(30.0).load(conn).await?,
-                };
-                plan.extend(lines.into_iter().map(|l| l.line + "\n"));
-                Err::<(), _>(diesel::result::Error::RollbackTransaction)
-            })
-            .await;
-        match r {
-            Err(diesel::result::Error::RollbackTransaction) => Ok(plan),
-            Err(e) => Err(e.into()),
-            Ok(()) => unreachable!("the transaction always rolls back"),
-        }
+                }
+                SettleStatement::Retry => {
+                    q(RETRY)
+                        .bind::<Array<Text>, _>(&texts)
+                        .bind::<Array<Nullable<Double>>, _>(&delays)
+                        .bind::<Double, _>(b.base.as_secs_f64())
+                        .bind::<Double, _>(b.cap.as_secs_f64())
+                        .bind::<Double, _>(b.jitter)
+                        .load(conn)
+                        .await?
+                }
+                SettleStatement::DeadLetter => {
+                    q(DEAD_LETTER)
+                        .bind::<Array<Text>, _>(&texts)
+                        .load(conn)
+                        .await?
+                }
+                SettleStatement::Release => q(RELEASE).load(conn).await?,
+                SettleStatement::Extend => q(EXTEND).bind::<Double, _>(30.0).load(conn).await?,
+            };
+            plan.extend(lines.into_iter().map(|l| l.line + "\n"));
+            Ok(())
+        })
+        .await?;
+        Ok(plan)
     }
 }
