@@ -651,8 +651,8 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // running limits
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // cron schedules
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // pause and cancel
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // held batches
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // hand-over settle path
+    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // held batches
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // hand-over
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // state model
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 3);

@@ -11,7 +11,6 @@ DROP TRIGGER messages_heads_promoted ON postbox.messages;
 DROP FUNCTION postbox.promote_removed_heads();
 DROP TRIGGER messages_head_removed ON postbox.messages;
 DROP FUNCTION postbox.note_removed_head();
-DROP FUNCTION postbox.promote_after(text[], text[], bigint[]);
 DROP TRIGGER messages_check_head ON postbox.messages;
 DROP FUNCTION postbox.messages_check_head();
 DROP TRIGGER messages_state ON postbox.messages;

@@ -178,6 +178,10 @@ CREATE TRIGGER messages_state BEFORE INSERT ON postbox.messages
 -- writer promotes the first waiting message of the key itself.
 CREATE FUNCTION postbox.messages_check_head() RETURNS trigger
 LANGUAGE plpgsql
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_sort = off
+SET jit = off
 AS $$
 BEGIN
     PERFORM pg_advisory_xact_lock(1886352245, postbox.key_lock_id(NEW.topic, NEW.key));
@@ -191,58 +195,11 @@ CREATE CONSTRAINT TRIGGER messages_check_head AFTER INSERT ON postbox.messages
     FOR EACH ROW WHEN (NEW.ordered AND NEW.state = 'waiting')
     EXECUTE FUNCTION postbox.messages_check_head();
 
--- The next waiting message of each (topic, key) whose head (id p_removed) was removed becomes the
--- head. The relay's settle statements call it themselves, one call for every head they removed;
--- for any other DELETE (by hand, or from another tool) the triggers below call it.
---
--- It waits at most 200 ms for a committing writer of a key's slot (it never waits for a writer's
--- whole transaction: writers take namespace 2 only at commit); past that its statement fails and
--- is retried, so a writer is never the victim of a deadlock with a relay.
-CREATE FUNCTION postbox.promote_after(p_topics text[], p_keys text[], p_removed bigint[])
-RETURNS integer
-LANGUAGE plpgsql
-SET enable_seqscan = off
-SET enable_bitmapscan = off
-SET jit = off
-AS $$
-DECLARE
-    v_timeout text;
-    v_n integer;
-BEGIN
-    IF coalesce(cardinality(p_topics), 0) = 0 THEN
-        RETURN 0;
-    END IF;
-    v_timeout := current_setting('lock_timeout');
-    PERFORM set_config('lock_timeout', '200ms', true);
-    PERFORM pg_advisory_xact_lock(1886352245, s.slot)
-    FROM (SELECT DISTINCT postbox.key_lock_id(t, k) AS slot
-          FROM unnest(p_topics, p_keys) AS u(t, k) ORDER BY 1) s;
-    PERFORM set_config('lock_timeout', v_timeout, true);
-    -- A new statement after the locks: it sees every writer of these keys that committed before.
-    -- The next message of a key has a larger id than the head that was removed (writers draw ids
-    -- after the key's lock, and a replay never goes behind a running head), so the look-up starts
-    -- there: the index entries of the key's delivered history are not in its path.
-    UPDATE postbox.messages m SET state = postbox.ready_state(m.run_at)
-    FROM (SELECT t AS topic, k AS key, max(r) AS removed
-          FROM unnest(p_topics, p_keys, p_removed) AS u(t, k, r) GROUP BY 1, 2) rk,
-         LATERAL (SELECT w.id FROM postbox.messages w
-                  WHERE w.state = 'waiting' AND w.topic = rk.topic AND w.key = rk.key
-                    AND w.id > rk.removed
-                  ORDER BY w.id LIMIT 1) nxt
-    WHERE m.id = nxt.id
-      AND (SELECT h.id FROM postbox.messages h
-           WHERE h.ordered AND h.topic = rk.topic AND h.key = rk.key AND h.id > rk.removed
-             AND h.state <> 'waiting'
-           ORDER BY h.id LIMIT 1) IS NULL;
-    GET DIAGNOSTICS v_n = ROW_COUNT;
-    RETURN v_n;
-END
-$$;
-
--- Any other DELETE of heads: a row trigger notes their keys (no query) and a statement trigger
--- promotes them all at once when the DELETE ends. (A transition table would do the same but copy
--- every deleted row, ordered or not.) Sessions that promote themselves (the relay's store sets
--- postbox.promotes_heads = 'caller') skip the note.
+-- A head removed (delivered, dead-lettered, cancelled, or deleted by hand): the next waiting
+-- message of its key becomes the head. One statement for every head a DELETE removed, not one per
+-- row: each removed head's key is noted (a row trigger that only appends to a transaction-local
+-- setting, no query), and a statement trigger promotes all of them at once when the DELETE ends.
+-- (A transition table would do the same but copy every deleted row, ordered or not.)
 CREATE FUNCTION postbox.note_removed_head() RETURNS trigger
 LANGUAGE plpgsql
 AS $$
@@ -255,15 +212,21 @@ END
 $$;
 
 CREATE TRIGGER messages_head_removed AFTER DELETE ON postbox.messages
-    FOR EACH ROW WHEN (OLD.ordered AND OLD.state <> 'waiting'
-                       AND current_setting('postbox.promotes_heads', true) IS DISTINCT FROM 'caller')
+    FOR EACH ROW WHEN (OLD.ordered AND OLD.state <> 'waiting')
     EXECUTE FUNCTION postbox.note_removed_head();
 
+-- The remover waits at most 200 ms for a committing writer of a key's slot (it never waits for a
+-- writer's whole transaction: writers take namespace 2 only at commit); past that its statement
+-- fails and is retried, so a writer is never the victim of a deadlock with a relay.
 CREATE FUNCTION postbox.promote_removed_heads() RETURNS trigger
 LANGUAGE plpgsql
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET jit = off
 AS $$
 DECLARE
     v_noted text := current_setting('postbox.removed_heads', true);
+    v_timeout text;
     v_keys jsonb;
 BEGIN
     IF v_noted IS NULL OR v_noted = '' THEN
@@ -271,23 +234,39 @@ BEGIN
     END IF;
     PERFORM set_config('postbox.removed_heads', '', true);
     v_keys := ('[' || rtrim(v_noted, ',') || ']')::jsonb;
-    PERFORM postbox.promote_after(
-        ARRAY(SELECT k->>0 FROM jsonb_array_elements(v_keys) AS e(k)),
-        ARRAY(SELECT k->>1 FROM jsonb_array_elements(v_keys) AS e(k)),
-        ARRAY(SELECT (k->>2)::bigint FROM jsonb_array_elements(v_keys) AS e(k)));
+    v_timeout := current_setting('lock_timeout');
+    PERFORM set_config('lock_timeout', '200ms', true);
+    PERFORM pg_advisory_xact_lock(1886352245, s.slot)
+    FROM (SELECT DISTINCT postbox.key_lock_id(k->>0, k->>1) AS slot
+          FROM jsonb_array_elements(v_keys) AS e(k) ORDER BY 1) s;
+    PERFORM set_config('lock_timeout', v_timeout, true);
+    -- A new statement after the locks: it sees every writer of these keys that committed before.
+    -- The next message of a key has a larger id than the head that was removed (writers draw ids
+    -- after the key's lock, and a replay never goes behind a running head), so the look-up starts
+    -- there: the index entries of the key's delivered history are not in its path.
+    UPDATE postbox.messages m SET state = postbox.ready_state(m.run_at)
+    FROM (SELECT k->>0 AS topic, k->>1 AS key, max((k->>2)::bigint) AS removed
+          FROM jsonb_array_elements(v_keys) AS e(k) GROUP BY 1, 2) rk,
+         LATERAL (SELECT w.id FROM postbox.messages w
+                  WHERE w.state = 'waiting' AND w.topic = rk.topic AND w.key = rk.key
+                    AND w.id > rk.removed
+                  ORDER BY w.id LIMIT 1) nxt
+    WHERE m.id = nxt.id
+      AND (SELECT h.id FROM postbox.messages h
+           WHERE h.ordered AND h.topic = rk.topic AND h.key = rk.key AND h.id > rk.removed
+             AND h.state <> 'waiting'
+           ORDER BY h.id LIMIT 1) IS NULL;
     RETURN NULL;
 END
 $$;
 
 CREATE TRIGGER messages_heads_promoted AFTER DELETE ON postbox.messages
-    FOR EACH STATEMENT
-    WHEN (current_setting('postbox.promotes_heads', true) IS DISTINCT FROM 'caller')
-    EXECUTE FUNCTION postbox.promote_removed_heads();
+    FOR EACH STATEMENT EXECUTE FUNCTION postbox.promote_removed_heads();
 
--- Topics that the filter lets through: exact names as given (less exclusions); with patterns (or
--- all topics) the distinct topics that have available messages now, found by walking
--- messages_available_idx one descent per topic (a loose index scan): the cost is the number of
--- topics, never the number of rows.
+-- Topics that the filter lets through and that have available messages now. Exact names are
+-- probed one index descent each; with patterns (or all topics) the distinct topics of
+-- messages_available_idx are walked one descent per topic (a loose index scan): the cost is the
+-- number of topics, never the number of rows.
 CREATE FUNCTION postbox.available_topics(
     p_all_topics boolean,
     p_topics text[],
@@ -302,10 +281,10 @@ SET jit = off
 AS $$
 BEGIN
     IF NOT p_all_topics AND cardinality(p_patterns) = 0 THEN
-        -- Exact names are not probed: the claim itself finds an empty topic at the same cost.
         RETURN ARRAY(
             SELECT t FROM unnest(p_topics) AS u(t)
-            WHERE NOT (t = ANY(p_not_topics) OR t LIKE ANY(p_not_patterns)));
+            WHERE NOT (t = ANY(p_not_topics) OR t LIKE ANY(p_not_patterns))
+              AND EXISTS (SELECT 1 FROM postbox.messages m WHERE m.state = 'available' AND m.topic = u.t));
     END IF;
     RETURN ARRAY(
         WITH RECURSIVE d(topic) AS (
@@ -443,8 +422,7 @@ BEGIN
     END IF;
     RETURN QUERY
     SELECT v_n,
-           -- NULL when nothing is scheduled (greatest() would turn it into 0: a busy loop).
-           (SELECT extract(epoch FROM min(run_at) - now())::float8
+           (SELECT greatest(extract(epoch FROM min(run_at) - now()), 0)::float8
             FROM postbox.messages WHERE state = 'scheduled' AND run_at > now());
 END
 $$;

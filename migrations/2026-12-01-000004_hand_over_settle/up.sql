@@ -1,8 +1,9 @@
 -- The settle path as the relay of this version expects it, whatever the database ran before: the
--- two previous migrations reached users' databases in two versions (the state model with and
--- without the promotion functions and triggers below). Every function and trigger here is
--- (re)created whole, so either history ends in the same schema. Only functions and triggers
--- change; no row is touched.
+-- state-model and hand-over migrations reached users' databases in two versions (the state model
+-- with and without the promotion functions and triggers below). Every function and trigger here is
+-- (re)created whole, so either history ends in the same schema: the one the landed versions of
+-- those two migrations leave (for a database that ran them, nothing changes). Only functions and
+-- triggers change; no row is touched.
 --
 -- Hand-over: when a relay delivers the head of an ordered key, the next message of the key goes
 -- straight to that relay (waiting → running, one update) instead of becoming available for the
