@@ -43,6 +43,8 @@ pub struct Metrics {
     limit_running: GaugeVec,
     limit_max: GaugeVec,
     completed_kept: Gauge,
+    invariant_violations: GaugeVec,
+    keys_repaired: IntCounter,
     database_ok: AtomicBool,
     /// When each engine (by sink) last made progress, and how long without it means stuck.
     alive: Mutex<HashMap<String, std::time::Instant>>,
@@ -245,6 +247,23 @@ impl Metrics {
                 "postbox_completed_kept",
                 "Delivered messages kept by retention (keep_completed), from the table statistics.",
             ),
+            invariant_violations: {
+                let g = gauge_vec(
+                    &r,
+                    "postbox_invariant_violations",
+                    "What the state model forbids, found by the last sample (postbox check): stranded_key, double_head, hold_over_limit.",
+                    &["kind"],
+                );
+                for k in crate::store::VIOLATION_KINDS {
+                    g.with_label_values(&[k]).set(0.0);
+                }
+                g
+            },
+            keys_repaired: {
+                let c = IntCounter::new("postbox_keys_repaired_total", "Stranded ordered keys (waiting messages, no head) the rescuer gave their head again.").expect("valid metric");
+                r.register(Box::new(c.clone())).expect("registered once");
+                c
+            },
             database_ok: AtomicBool::new(false),
             alive: Mutex::new(HashMap::new()),
             stall_after: Mutex::new(None),
@@ -364,6 +383,16 @@ impl Metrics {
         self.completed_kept.set(n as f64);
     }
 
+    /// Sets `postbox_invariant_violations` from a check: every kind, 0 when none was found.
+    pub fn invariants(&self, found: &[crate::store::Violation]) {
+        for k in crate::store::VIOLATION_KINDS {
+            let n = found.iter().filter(|v| v.kind == k).count();
+            self.invariant_violations
+                .with_label_values(&[k])
+                .set(n as f64);
+        }
+    }
+
     /// Ready: this pod can do its job — its database answers. A sink that is down is down for
     /// every replica alike (it shows in `postbox_sink_up` and `status`): making every pod unready
     /// for it would only block node drains and rollouts behind the disruption budget.
@@ -410,6 +439,10 @@ impl Metrics {
 }
 
 impl Observer for Metrics {
+    fn keys_repaired(&self, n: usize) {
+        self.keys_repaired.inc_by(n as u64);
+    }
+
     fn claimed(&self, n: usize) {
         self.claim_batch.observe(n as f64);
     }

@@ -682,6 +682,8 @@ max_running = 2
         "postbox_limit_running{limit=\"m.limited\"} 0",
         "postbox_limit_max_running{limit=\"m.limited\"} 2",
         "postbox_schedule_fired_total{schedule=\"every-second\"}",
+        "postbox_invariant_violations{kind=\"stranded_key\"} 0",
+        "postbox_keys_repaired_total 0",
     ] {
         assert!(body.contains(name), "{name} missing:\n{body}");
     }
@@ -748,7 +750,7 @@ fn dashboard_and_alerts_use_only_exported_metrics(scrape: &str) {
         .filter_map(|l| l.trim().strip_prefix("expr:"))
         .map(str::to_owned)
         .collect();
-    assert_eq!(exprs.len(), 7, "one expression per alert");
+    assert_eq!(exprs.len(), 8, "one expression per alert");
     for q in queries.iter().chain(&exprs) {
         let names = q
             .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
@@ -946,4 +948,43 @@ fn cancel_from_the_command_line_prints_how_many_and_refuses_a_vague_selector() {
         args.extend(vague);
         assert_eq!(postbox(&args).status.code(), Some(2));
     }
+}
+
+#[test]
+fn check_exits_1_naming_a_stranded_key_and_0_once_it_is_repaired() {
+    let db = TestDb::migrated();
+    let ok = postbox(&["--database-url", &db.url, "check"]);
+    assert_eq!(ok.status.code(), Some(0), "{}", text(&ok.stderr));
+    assert!(text(&ok.stdout).starts_with("ok"), "{}", text(&ok.stdout));
+
+    let msgs: Vec<postbox::Message> = (0..3)
+        .map(|_| postbox::Message::new("orders").key("o-1").ordered())
+        .collect();
+    let ids = postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
+    db.exec(&format!(
+        "SET postbox.promotes_heads = 'caller'; DELETE FROM postbox.messages WHERE id = {}",
+        ids[0].id().unwrap()
+    ));
+    let bad = postbox(&["--database-url", &db.url, "check"]);
+    assert_eq!(bad.status.code(), Some(1));
+    assert_eq!(
+        text(&bad.stdout).trim(),
+        "stranded_key orders / o-1: 2 waiting"
+    );
+    assert!(
+        text(&bad.stderr).contains("1 stranded_key"),
+        "{}",
+        text(&bad.stderr)
+    );
+    let json = postbox(&["--database-url", &db.url, "check", "--json"]);
+    assert_eq!(json.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(v["ok"], false);
+    assert_eq!(v["counts"]["stranded_key"], 1);
+    assert_eq!(v["counts"]["double_head"], 0);
+    assert_eq!(v["violations"][0]["key"], "o-1");
+
+    db.exec("SELECT postbox.promote_key('orders', 'o-1')");
+    let ok = postbox(&["--database-url", &db.url, "check", "--json"]);
+    assert_eq!(ok.status.code(), Some(0), "{}", text(&ok.stderr));
 }

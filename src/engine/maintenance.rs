@@ -8,26 +8,63 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::observer::{NoObserver, Observer};
 use crate::error::Result;
 use crate::store::{PROMOTE_BATCH, Promoted, RESCUE_BATCH, RetryReport, Store};
 
-/// Returns expired leases to pending (or to the dead letters when out of attempts).
-#[derive(Debug, Clone)]
+/// The most stranded keys one rescue repairs (the rest wait for the next tick).
+pub const REPAIR_BATCH: u32 = 100;
+
+/// Returns expired leases to pending (or to the dead letters when out of attempts), and repairs
+/// stranded ordered keys.
+#[derive(Clone)]
 pub struct Rescuer {
     store: Store,
     interval: Duration,
+    observer: Arc<dyn Observer>,
+}
+
+impl std::fmt::Debug for Rescuer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rescuer")
+            .field("interval", &self.interval)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Rescuer {
     /// A rescuer ticking every `interval`.
     pub fn new(store: Store, interval: Duration) -> Self {
-        Rescuer { store, interval }
+        Rescuer {
+            store,
+            interval,
+            observer: Arc::new(NoObserver),
+        }
+    }
+
+    /// Reports the keys it repairs to `o` (metrics).
+    pub fn observer(mut self, o: Arc<dyn Observer>) -> Self {
+        self.observer = o;
+        self
     }
 
     /// Rescues every lease expired now, in batches, after giving the messages of lost held
     /// batches an expired lease (their attempt counts), and drops the registrations of listeners
-    /// that died while waiting; returns what it rescued.
+    /// that died while waiting; then gives up to [`REPAIR_BATCH`] stranded ordered keys their
+    /// head again (logged at WARN: no path of the model strands a key, an operator's SQL can);
+    /// returns what it rescued.
     pub async fn run_once(&self) -> Result<RetryReport> {
+        let repaired = self.store.repair(REPAIR_BATCH).await?;
+        if !repaired.is_empty() {
+            for k in &repaired {
+                tracing::warn!(
+                    topic = %k.topic,
+                    key = %k.key,
+                    "repaired a stranded ordered key: it had waiting messages and no head; its first waiting message is its head again"
+                );
+            }
+            self.observer.keys_repaired(repaired.len());
+        }
         let stale = self.store.clean_listeners().await?;
         if stale > 0 {
             tracing::info!(

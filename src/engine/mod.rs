@@ -38,7 +38,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 pub use self::config::EngineConfig;
-pub use self::maintenance::{Rescuer, Scheduler};
+pub use self::maintenance::{REPAIR_BATCH, Rescuer, Scheduler};
 pub use self::observer::{Counters, NoObserver, Observer, RunReport, Settlement};
 use self::producer::{InFlight, Producer, SinkHealth};
 use crate::backoff::Backoff;
@@ -363,7 +363,9 @@ impl Engine {
             background.clone(),
         ));
         let rescuer = tokio::spawn(
-            Rescuer::new(self.store.clone(), self.config.rescue_interval).run(background.clone()),
+            Rescuer::new(self.store.clone(), self.config.rescue_interval)
+                .observer(observer.clone())
+                .run(background.clone()),
         );
         let cron = (!self.schedules.is_empty() && !self.config.drain).then(|| {
             tokio::spawn(cron::run(

@@ -31,6 +31,8 @@ pub trait Observer: Send + Sync + 'static {
     fn notifier_connected(&self, _up: bool) {}
     /// Heartbeats found these many leases gone.
     fn lease_lost(&self, _n: usize) {}
+    /// The rescuer gave `n` stranded ordered keys their head again (see `Store::repair`).
+    fn keys_repaired(&self, _n: usize) {}
     /// The engine of `sink` is making progress: a claim loop went round, or the completer wrote
     /// (or is retrying while the database is away). Liveness probes watch for its absence.
     fn alive(&self, _sink: &str) {}
@@ -115,6 +117,9 @@ impl Observer for Counting {
     }
     fn lease_lost(&self, n: usize) {
         self.inner.lease_lost(n);
+    }
+    fn keys_repaired(&self, n: usize) {
+        self.inner.keys_repaired(n);
     }
     fn alive(&self, sink: &str) {
         self.inner.alive(sink);

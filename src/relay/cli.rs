@@ -45,6 +45,12 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// What the state model forbids (stranded ordered keys, keys with two heads, holds past
+    /// their limit); exit 1 when any is found.
+    Check {
+        #[arg(long)]
+        json: bool,
+    },
     /// The dead letters.
     #[command(subcommand)]
     Dead(DeadCommand),
@@ -155,6 +161,7 @@ pub async fn execute(cli: Cli) -> Result<(), RelayError> {
             super::run(settings, drain, shutdown, hard_stop).await?;
         }
         Command::Status { json } => super::status::run(&settings, json).await?,
+        Command::Check { json } => super::check::run(&settings, json).await?,
         Command::Dead(command) => super::dead::run(&settings, command).await?,
         Command::Enqueue(args) => super::enqueue::run(&settings, args).await?,
         Command::Pause(args) => super::pause::pause(&settings, args).await?,

@@ -3,6 +3,7 @@
 //! the admin store are here, the metrics server in `serve`.
 
 mod cancel;
+mod check;
 pub mod cli;
 mod dead;
 mod demo;
@@ -316,6 +317,10 @@ async fn sample(
                     if let Ok(n) = store.limit_running(l).await {
                         metrics.limit(l, n);
                     }
+                }
+                match store.check(crate::engine::REPAIR_BATCH).await {
+                    Ok(found) => metrics.invariants(&found),
+                    Err(e) => tracing::warn!(error = %e, "invariant check failed"),
                 }
                 if retention {
                     if let Ok((n, _)) = store.completed_kept().await {

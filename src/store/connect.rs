@@ -10,7 +10,9 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 /// crash that loses the last few of them loses nothing: a lost claim leaves the message pending, a
 /// lost completion or retry leaves it leased until its lease expires and it is delivered again.
 /// The enqueue, which must be durable, runs in the app's transaction on the app's connection.
-const SESSION: &str = "SET synchronous_commit = off; SET application_name = 'postbox'; SET postbox.promotes_heads = 'caller'";
+/// Every relay and engine session runs READ COMMITTED whatever the server's or role's default: a
+/// claim under a running limit and an ordered key's promotion must see the commits they waited for.
+const SESSION: &str = "SET synchronous_commit = off; SET application_name = 'postbox'; SET postbox.promotes_heads = 'caller'; SET default_transaction_isolation = 'read committed'";
 
 /// How the URL asks for TLS (`sslmode`), as libpq means it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,6 +9,8 @@ pub mod migrate;
 #[cfg(feature = "async")]
 mod cancel;
 #[cfg(feature = "async")]
+mod check;
+#[cfg(feature = "async")]
 mod claim;
 #[cfg(feature = "async")]
 pub mod connect;
@@ -38,6 +40,7 @@ mod stats;
 #[cfg(feature = "async")]
 pub use self::{
     cancel::{CancelSelector, Cancelled},
+    check::{RepairedKey, VIOLATION_KINDS, Violation},
     claim::{ClaimedMessage, Topics},
     dead::{DeadLetter, DeadSelector, ReplayReport},
     explain::SettleStatement,

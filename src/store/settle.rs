@@ -252,13 +252,43 @@ RETURNING id
 "#
 );
 
-pub(super) const RELEASE: &str = r#"
-UPDATE postbox.messages m
-SET state = 'available', attempts = greatest(m.attempts - 1, 0), locked_until = NULL, lease_token = NULL, locked_by = NULL
-FROM unnest($1::bigint[], $2::bigint[]) AS d(id, token)
-WHERE m.id = ANY($1::bigint[]) AND m.id = d.id AND m.lease_token = d.token
-RETURNING m.id
-"#;
+/// Back to available without using an attempt; a message cancelled while it ran goes to the dead
+/// letters instead (reason `cancelled`), as a cancel promises, promoting its key.
+pub(super) const RELEASE: &str = concat!(
+    r#"
+WITH input AS (
+    SELECT * FROM unnest($1::bigint[], $2::bigint[]) AS d(id, token)
+),
+released AS (
+    UPDATE postbox.messages m
+    SET state = 'available', attempts = greatest(m.attempts - 1, 0), locked_until = NULL, lease_token = NULL, locked_by = NULL
+    FROM input d
+    WHERE m.id = ANY($1::bigint[]) AND m.id = d.id AND m.lease_token = d.token AND NOT m.cancelled
+    RETURNING m.id
+),
+gone AS (
+    DELETE FROM postbox.messages m USING input d
+    WHERE m.id = ANY($1::bigint[]) AND m.id = d.id AND m.lease_token = d.token AND m.cancelled
+    RETURNING m.*
+),
+"#,
+    promote_heads_cte!("gone"),
+    r#",
+buried AS (
+    INSERT INTO postbox.dead_letters ("#,
+    dead_columns!(),
+    r#", first_error, last_error, reason)
+    SELECT "#,
+    dead_columns!(),
+    r#", first_error, last_error, 'cancelled'
+    FROM gone, heads
+    RETURNING id
+)
+SELECT id FROM released
+UNION ALL
+SELECT id FROM buried
+"#
+);
 
 pub(super) const EXTEND: &str = r#"
 UPDATE postbox.messages m
