@@ -422,8 +422,20 @@ fn relay_process(
     url: &str,
     delivered: &Delivered,
 ) -> (std::process::Child, std::thread::JoinHandle<()>) {
+    relay_process_with(url, &[], delivered, Arc::default())
+}
+
+/// [`relay_process`] with more arguments before `run` (`--config FILE`); its output is not read
+/// while `paused` is set (once the pipe is full, the relay blocks in the middle of a delivery).
+fn relay_process_with(
+    url: &str,
+    args: &[&str],
+    delivered: &Delivered,
+    paused: Arc<AtomicBool>,
+) -> (std::process::Child, std::thread::JoinHandle<()>) {
     use std::io::BufRead;
     let mut child = common::hermetic(env!("CARGO_BIN_EXE_postbox"))
+        .args(args)
         .args(["--database-url", url, "run"])
         .env("POSTBOX_LEASE", "2s")
         .env("POSTBOX_POLL_INTERVAL", "100ms")
@@ -436,7 +448,12 @@ fn relay_process(
     let out = child.stdout.take().unwrap();
     let d = delivered.clone();
     let reader = std::thread::spawn(move || {
-        for line in std::io::BufReader::new(out).lines() {
+        let mut lines = std::io::BufReader::new(out).lines();
+        loop {
+            while paused.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let Some(line) = lines.next() else { break };
             let Ok(line) = line else { break };
             // A process killed mid-line leaves a partial line: not a delivery it reported.
             if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
@@ -646,5 +663,173 @@ async fn poison_outcomes_and_hung_handlers_end_in_the_dead_letters_and_the_rest_
     assert!(
         shutdown < Duration::from_secs(3),
         "shutdown took {shutdown:?} with a deadline of 1 s"
+    );
+}
+
+fn signal(child: &std::process::Child, sig: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_frozen_for_a_minute_mid_hold_holds_up_nothing_and_settles_nothing_twice() {
+    let db = TestDb::migrated();
+    create_ledger(&db);
+    let config = std::env::temp_dir().join(format!("postbox-frozen-{}.toml", std::process::id()));
+    std::fs::write(&config, "[retention]\nkeep_completed = \"1h\"\n").unwrap();
+    let config_path = config.to_str().unwrap().to_owned();
+    let delivered: Delivered = Arc::default();
+    let stop_writing = Arc::new(AtomicBool::new(false));
+    let w = ledger_writer(db.url.clone(), "chaos", stop_writing.clone());
+    // A backlog, so that batches are full.
+    let backlog: Vec<postbox::Message> =
+        (0..5_000).map(|_| postbox::Message::new("chaos")).collect();
+    let ids = postbox::enqueue_many(&mut db.conn(), &backlog).unwrap();
+    db.exec(&format!(
+        "INSERT INTO public.produced (id) SELECT unnest('{{{}}}'::bigint[])",
+        ids.iter()
+            .map(|e| e.id().unwrap().to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    ));
+    // The relay to freeze writes its deliveries to a pipe nobody reads: it soon blocks in the
+    // middle of a held batch, its transaction idle.
+    let unread = Arc::new(AtomicBool::new(true));
+    let (mut frozen, frozen_out) = relay_process_with(
+        &db.url,
+        &["--config", &config_path],
+        &delivered,
+        unread.clone(),
+    );
+    let (mut steady, steady_out) = relay_process_with(
+        &db.url,
+        &["--config", &config_path],
+        &delivered,
+        Arc::default(),
+    );
+    let frozen_owner = format!("%:{}", frozen.id());
+
+    // Stop the relay while one of its holds is open (its transaction idle, its rows locked): stop
+    // it, look, and let it go on to try again if none was.
+    let held_sql = format!(
+        "SELECT coalesce(max(cardinality(ids)), 0)::bigint AS v FROM postbox.holds
+         WHERE held_by LIKE '{frozen_owner}' AND pg_xact_status(xid) = 'in progress'"
+    );
+    let caught = Instant::now();
+    let held: Vec<i64> = loop {
+        assert!(
+            caught.elapsed() < Duration::from_secs(60),
+            "the relay never held a batch"
+        );
+        assert!(
+            eventually(Duration::from_secs(20), || async {
+                db.scalar(&held_sql) > 0
+            })
+            .await,
+            "the relay never held a batch"
+        );
+        signal(&frozen, "-STOP");
+        if db.scalar(&held_sql) > 0 {
+            #[derive(diesel::QueryableByName)]
+            struct Ids {
+                #[diesel(sql_type = diesel::sql_types::Array<diesel::sql_types::BigInt>)]
+                ids: Vec<i64>,
+            }
+            let rows: Vec<Ids> = diesel::sql_query(format!(
+                "SELECT ids FROM postbox.holds
+                 WHERE held_by LIKE '{frozen_owner}' AND pg_xact_status(xid) = 'in progress'"
+            ))
+            .load(&mut db.conn())
+            .unwrap();
+            break rows.into_iter().flat_map(|r| r.ids).collect();
+        }
+        signal(&frozen, "-CONT");
+    };
+    let stopped = Instant::now();
+
+    // The server ends the frozen hold after its limit (1 s) and a grace (2 s): the other relay
+    // delivers and settles every message it held.
+    let settled_sql = format!(
+        "SELECT count(*) AS v FROM postbox.completed WHERE id IN ({}) AND relay NOT LIKE '{frozen_owner}'",
+        held.iter()
+            .map(i64::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let all = held.len() as i64;
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            db.scalar(&settled_sql) == all
+        })
+        .await,
+        "{} of the {all} messages the frozen relay held were settled by the other",
+        db.scalar(&settled_sql)
+    );
+    let took = stopped.elapsed();
+    // The rest of the minute frozen, while the other relay and the writer go on.
+    tokio::time::sleep(Duration::from_secs(60).saturating_sub(stopped.elapsed())).await;
+    let before = db.scalar(&format!(
+        "SELECT count(*) AS v FROM postbox.completed WHERE relay LIKE '{frozen_owner}'"
+    ));
+    signal(&frozen, "-CONT");
+    unread.store(false, Ordering::Release);
+    // It carries on: it delivers again (new messages keep coming from the writer).
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            db.scalar(&format!(
+                "SELECT count(*) AS v FROM postbox.completed WHERE relay LIKE '{frozen_owner}'"
+            )) > before
+        })
+        .await,
+        "the relay did not carry on after SIGCONT"
+    );
+    stop_writing.store(true, Ordering::Release);
+    let commits = tokio::task::spawn_blocking(move || w.join().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
+        })
+        .await
+    );
+    for p in [&mut frozen, &mut steady] {
+        signal(p, "-TERM");
+        assert!(p.wait().unwrap().success());
+    }
+    frozen_out.join().unwrap();
+    steady_out.join().unwrap();
+    let _ = std::fs::remove_file(&config);
+
+    // Fencing: every message was settled once (the frozen relay's hold settled nothing: its
+    // session was gone), none lost.
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM (SELECT id FROM postbox.completed GROUP BY id HAVING count(*) > 1) d"
+        ),
+        0,
+        "a message settled twice"
+    );
+    assert_eq!(
+        db.scalar(&settled_sql),
+        all,
+        "the frozen relay settled a message it had held"
+    );
+    let delivered = delivered.lock().unwrap().clone();
+    let (produced, lost, duplicates, dead) = ledger(&db, &delivered);
+    eprintln!(
+        "frozen relay: held {all} messages when stopped; the other relay settled them all {took:?} \
+         after the stop; produced {produced} ({commits} commits), duplicates {duplicates}, lost {}, dead {dead}",
+        lost.len()
+    );
+    assert!(lost.is_empty(), "lost: {lost:?}");
+    assert_eq!(dead, 0);
+    assert!(
+        db.scalar("SELECT count(*) AS v FROM postbox.holds") == 0,
+        "registrations left"
     );
 }

@@ -44,7 +44,7 @@ pub use self::{
     claim::{ClaimedMessage, Topics},
     dead::{DeadLetter, DeadSelector, ReplayReport},
     explain::SettleStatement,
-    hold::{Hold, HoldEnded},
+    hold::{HOLD_GRACE, Hold, HoldEnded},
     limit::Limit,
     listen::{listen, register_listener, still_running, unregister_listener},
     pause::unpaused,
