@@ -186,6 +186,81 @@ async fn settle_plans_look_leases_up_by_id_whatever_the_backlog() {
     );
 }
 
+/// The buffers (shared hit + read) of the first plan node under each `-- NAME` line: what the
+/// whole statement touched, nested function calls included.
+fn buffers_by_section(plan: &str) -> Vec<(String, u64)> {
+    let mut out: Vec<(String, u64)> = Vec::new();
+    let mut current: Option<String> = None;
+    for line in plan.lines() {
+        if let Some(name) = line.strip_prefix("-- ") {
+            current = Some(name.to_owned());
+            continue;
+        }
+        if let (Some(name), Some(b)) = (&current, line.split("Buffers: shared ").nth(1)) {
+            let n: u64 = b
+                .split(' ')
+                .filter_map(|kv| kv.split_once('='))
+                .filter(|(k, _)| *k == "hit" || *k == "read")
+                .map(|(_, v)| v.trim_end_matches(',').parse::<u64>().unwrap())
+                .sum();
+            out.push((name.clone(), n));
+            current = None;
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hold_and_hand_over_plans_keep_their_shape_on_a_table_never_analyzed() {
+    let db = TestDb::migrated();
+    // A table that just filled and was never analyzed (autovacuum kept away from it).
+    db.exec(
+        "ALTER TABLE postbox.messages SET (autovacuum_enabled = false);
+         INSERT INTO postbox.messages (topic, key, ordered) SELECT 'o', 'k' || (g % 200), true FROM generate_series(1, 20000) g;
+         INSERT INTO postbox.messages (topic) SELECT 'u' FROM generate_series(1, 20000)",
+    );
+    let never_analyzed = "SELECT count(*) AS v FROM pg_stat_user_tables
+        WHERE relid = 'postbox.messages'::regclass AND last_analyze IS NULL AND last_autoanalyze IS NULL";
+    assert_eq!(db.scalar(never_analyzed), 1);
+    let store = db.store().await;
+
+    // 100 heads of 200 keys, 4 followers each, then the hand-over to the next of each key.
+    let plan = store.explain_hold("o", 100, 4).await.unwrap();
+    assert!(!plan.contains("Seq Scan on messages"), "{plan}");
+    let sections = buffers_by_section(&plan);
+    let names: Vec<&str> = sections.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["take", "followers", "settle"], "{plan}");
+    for (name, n) in &sections {
+        // A plan that walks an index for each id instead of looking it up reads tens of thousands
+        // of buffers here (the followers' lock by messages_waiting_idx: 44,000).
+        assert!(*n < 5_000, "{name}: {n} buffers\n{plan}");
+    }
+    let (scanned, removed) = plan_figures(&plan);
+    assert!(scanned.iter().all(|n| *n <= 500), "{plan}");
+    assert!(removed.iter().all(|n| *n <= 500), "{plan}");
+
+    // The lease path: claim, and the complete that hands each key over.
+    assert_claim_walks_only_what_it_returns(&store, &Topics::exact(["o"]), BATCH, "never analyzed")
+        .await;
+    let claimed = store
+        .claim(100, LEASE, &Topics::exact(["o"]))
+        .await
+        .unwrap();
+    let leases: Vec<postbox::Lease> = claimed.iter().map(|m| m.lease()).collect();
+    let plan = store
+        .explain_settle(postbox::store::SettleStatement::Complete, &leases)
+        .await
+        .unwrap();
+    let hits = buffers_by_section(&format!("-- complete\n{plan}"));
+    assert!(hits[0].1 < 5_000, "{hits:?}\n{plan}");
+    assert_eq!(
+        db.scalar(never_analyzed),
+        1,
+        "nothing analyzed the table meanwhile"
+    );
+    eprintln!("buffers on a never-analyzed table: {sections:?}, complete {hits:?}");
+}
+
 #[test]
 fn an_ordered_key_is_delivered_in_commit_order() {
     let db = TestDb::migrated();

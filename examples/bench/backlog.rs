@@ -7,6 +7,10 @@
 //!    timed), as a relay would. A shape stops after 1,000 claims (p99: the tenth slowest) or 30 s.
 //! 2. The drain rate of the embedded engine on 100,000 ordered messages over 1,000 keys against
 //!    100,000 unordered ones, twice each, alternating.
+//!    Then the same on tables the planner has no statistics for: 20,000 ordered messages over 200
+//!    keys against 20,000 unordered ones, each inserted by one statement into a freshly migrated
+//!    database (autovacuum off on it, so that no ANALYZE runs meanwhile), drained at once
+//!    (`ordered_drain_ratio_unanalyzed`).
 //! 3. `status` (`Store::stats`) and the metrics sample at `--status-rows` rows (default 10M), next
 //!    to the exact per-topic count that `status` ran before.
 //!
@@ -87,6 +91,7 @@ pub async fn run(url: &str, rows: usize, status_rows: usize) {
     let store = Store::connect(url, 4).await.unwrap();
     let p99s = claim_shapes(url, &store, rows).await;
     let drain_ratio = ordered_drain(url).await;
+    let unanalyzed_ratio = ordered_drain_unanalyzed(url).await;
     let (status_ms, sample_ms) = status_at_scale(url, &store, status_rows).await;
     let clean = p99s[0].1;
     for (name, p99) in &p99s {
@@ -96,6 +101,7 @@ pub async fn run(url: &str, rows: usize, status_rows: usize) {
         println!("claim_p99_ratio_{name}={:.2}", p99 / clean);
     }
     println!("ordered_drain_ratio={drain_ratio:.2}");
+    println!("ordered_drain_ratio_unanalyzed={unanalyzed_ratio:.2}");
     println!("status_ms_10m={status_ms:.1}");
     println!("sample_ms_10m={sample_ms:.1}");
 }
@@ -176,6 +182,59 @@ pub async fn ordered_drain(url: &str) -> f64 {
         "drain {n}: ordered over 1000 keys {ordered:.0?} msg/s, unordered {unordered:.0?} msg/s: ratio {drain_ratio:.2}; ordered enqueue_many {ordered_enqueue:.0?} msg/s"
     );
     drain_ratio
+}
+
+/// Drain rate of 20,000 ordered messages over 200 keys over that of 20,000 unordered ones, each
+/// inserted by one statement into a freshly migrated database that was never analyzed; twice
+/// each, alternating.
+pub async fn ordered_drain_unanalyzed(url: &str) -> f64 {
+    let n = 20_000;
+    let (server, _) = url.rsplit_once('/').expect("a database URL");
+    let fresh = format!("{server}/postbox_bench_fresh");
+    let admin = format!("{server}/postgres");
+    let (mut ordered, mut unordered) = (Vec::new(), Vec::new());
+    for round in 0..2 {
+        for is_ordered in if round == 0 {
+            [false, true]
+        } else {
+            [true, false]
+        } {
+            exec(
+                &admin,
+                "DROP DATABASE IF EXISTS postbox_bench_fresh WITH (FORCE); CREATE DATABASE postbox_bench_fresh",
+            );
+            postbox::migrate(&mut PgConnection::establish(&fresh).unwrap()).unwrap();
+            let rows = if is_ordered {
+                format!(
+                    "INSERT INTO postbox.messages (topic, key, ordered) SELECT 'bench.noop', 'k' || (g % 200), true FROM generate_series(1, {n}) g"
+                )
+            } else {
+                format!(
+                    "INSERT INTO postbox.messages (topic) SELECT 'bench.noop' FROM generate_series(1, {n}) g"
+                )
+            };
+            exec(
+                &fresh,
+                &format!("ALTER TABLE postbox.messages SET (autovacuum_enabled = false); {rows}"),
+            );
+            let rate = drain_engine(&fresh, n, None).await;
+            if is_ordered {
+                ordered.push(rate);
+            } else {
+                unordered.push(rate);
+            }
+        }
+    }
+    exec(
+        &admin,
+        "DROP DATABASE IF EXISTS postbox_bench_fresh WITH (FORCE)",
+    );
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let ratio = mean(&ordered) / mean(&unordered);
+    println!(
+        "drain {n} on never-analyzed tables: ordered over 200 keys {ordered:.0?} msg/s, unordered {unordered:.0?} msg/s: ratio {ratio:.2}"
+    );
+    ratio
 }
 
 /// `status` and the metrics sample (median ms) at `status_rows` rows.

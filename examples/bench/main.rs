@@ -734,7 +734,9 @@ async fn main() {
     }
     if a.only.as_deref() == Some("ordered-drain") {
         let r = backlog::ordered_drain(&a.url).await;
+        let u = backlog::ordered_drain_unanalyzed(&a.url).await;
         println!("ordered_drain_ratio={r:.2}");
+        println!("ordered_drain_ratio_unanalyzed={u:.2}");
         return;
     }
     if a.only.as_deref() == Some("status") {

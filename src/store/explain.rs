@@ -5,6 +5,7 @@ use diesel::QueryableByName;
 use diesel::sql_types::{Array, BigInt, Double, Integer, Nullable, Text};
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
+use super::hold::{FOLLOWERS, HeldRow, SETTLE, TAKE_ONE};
 use super::settle::{COMPLETE, COMPLETE_KEEP, DEAD_LETTER, EXTEND, RELEASE, RETRY};
 use super::{Lease, Store, split};
 use crate::error::Result;
@@ -99,6 +100,80 @@ impl Store {
                 SettleStatement::Release => q(RELEASE).load(conn).await?,
                 SettleStatement::Extend => q(EXTEND).bind::<Double, _>(30.0).load(conn).await?,
             };
+            plan.extend(lines.into_iter().map(|l| l.line + "\n"));
+            Ok(())
+        })
+        .await?;
+        Ok(plan)
+    }
+
+    /// `EXPLAIN (ANALYZE, BUFFERS)` of a held batch of `topic` as deployed, each statement under a
+    /// `-- take`, `-- followers`, `-- settle` line: the take of up to `batch` messages, the take
+    /// of up to `followers` messages behind each ordered head among them, and the end of a hold
+    /// that delivered the heads (each key hands over to its next message; the settle's plan
+    /// counts the buffers of the promotion it calls). Run in a transaction that is rolled back:
+    /// nothing is held or settled.
+    pub async fn explain_hold(
+        &self,
+        topic: &str,
+        batch: usize,
+        followers: usize,
+    ) -> Result<String> {
+        let batch = i32::try_from(batch).unwrap_or(i32::MAX);
+        let followers = i32::try_from(followers).unwrap_or(i32::MAX);
+        let owner = &*self.owner;
+        let mut conn = self.conn().await?;
+        let mut plan = String::new();
+        rolled_back(&mut conn, async |conn| {
+            use diesel_async::SimpleAsyncConnection;
+            conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off")
+                .await?;
+            let take = |sql: &str| {
+                diesel::sql_query(sql.to_owned())
+                    .bind::<Double, _>(30.0)
+                    .bind::<BigInt, _>(0)
+                    .bind::<Text, _>(topic)
+                    .bind::<Integer, _>(batch)
+            };
+            let lines: Vec<PlanLine> = take(&format!("EXPLAIN (ANALYZE, BUFFERS) {TAKE_ONE}"))
+                .load(conn)
+                .await?;
+            plan.push_str("-- take\n");
+            plan.extend(lines.into_iter().map(|l| l.line + "\n"));
+            let held: Vec<HeldRow> = take(TAKE_ONE).load(conn).await?;
+            let heads: Vec<_> = held
+                .iter()
+                .map(|r| &r.message)
+                .filter(|m| m.ordered && m.key.is_some())
+                .collect();
+            let topics: Vec<&str> = heads.iter().map(|m| m.topic.as_str()).collect();
+            let keys: Vec<&str> = heads.iter().filter_map(|m| m.key.as_deref()).collect();
+            let ids: Vec<i64> = heads.iter().map(|m| m.id).collect();
+            let lines: Vec<PlanLine> =
+                diesel::sql_query(format!("EXPLAIN (ANALYZE, BUFFERS) {FOLLOWERS}"))
+                    .bind::<Double, _>(30.0)
+                    .bind::<BigInt, _>(0)
+                    .bind::<Array<Text>, _>(&topics)
+                    .bind::<Array<Text>, _>(&keys)
+                    .bind::<Array<BigInt>, _>(&ids)
+                    .bind::<Integer, _>(followers)
+                    .load(conn)
+                    .await?;
+            plan.push_str("-- followers\n");
+            plan.extend(lines.into_iter().map(|l| l.line + "\n"));
+            let delivered: Vec<i64> = held.iter().map(|r| r.message.id).collect();
+            let lines: Vec<PlanLine> =
+                diesel::sql_query(format!("EXPLAIN (ANALYZE, BUFFERS) {SETTLE}"))
+                    .bind::<Array<BigInt>, _>(&delivered)
+                    .bind::<Array<BigInt>, _>(Vec::<i64>::new())
+                    .bind::<Double, _>(30.0)
+                    .bind::<BigInt, _>(0)
+                    .bind::<Text, _>(owner)
+                    .bind::<Integer, _>(batch)
+                    .bind::<Array<BigInt>, _>(&ids)
+                    .load(conn)
+                    .await?;
+            plan.push_str("-- settle\n");
             plan.extend(lines.into_iter().map(|l| l.line + "\n"));
             Ok(())
         })

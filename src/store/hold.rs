@@ -34,7 +34,7 @@ macro_rules! take_columns {
 
 /// `postbox.take_topic` inline (in a transaction that pins its planner settings, see `begin_take`):
 /// the function's result set is not materialised.
-const TAKE_ONE: &str = concat!(
+pub(super) const TAKE_ONE: &str = concat!(
     take_columns!(),
     "postbox.messages WHERE state = 'available' AND topic = $3 ORDER BY priority, id LIMIT $4 FOR UPDATE SKIP LOCKED"
 );
@@ -67,7 +67,7 @@ const TAKE: &str = concat!(
 /// due; the rows not locked by another transaction are locked (`chain`: the head's place in the
 /// arrays, from 1; `place`: the follower's place behind it, from 1). A chain is cut at its first
 /// follower that is missing from the result.
-const FOLLOWERS: &str = concat!(
+pub(super) const FOLLOWERS: &str = concat!(
     "WITH cand AS (
     SELECT w.id, h.n AS chain, row_number() OVER (PARTITION BY h.n ORDER BY w.id) AS place,
            bool_and(w.due) OVER (PARTITION BY h.n ORDER BY w.id) AS due
@@ -150,7 +150,7 @@ SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM leased),
     };
 }
 
-const SETTLE: &str = settle_sql!("", "");
+pub(super) const SETTLE: &str = settle_sql!("", "");
 
 const SETTLE_KEEP: &str = settle_sql!(
     ", m.payload, m.headers, m.attempts, m.created_at",
@@ -165,9 +165,9 @@ archived AS (
 );
 
 #[derive(QueryableByName)]
-struct HeldRow {
+pub(super) struct HeldRow {
     #[diesel(embed)]
-    message: ClaimedMessage,
+    pub(super) message: ClaimedMessage,
     #[diesel(sql_type = Text)]
     xid: String,
 }
