@@ -224,3 +224,132 @@ fn a_limit_needs_topics_and_room() {
     let l = Limit::new(["b", "a.*", "b"], 3).unwrap();
     assert_eq!(l.name(), "a.*,b");
 }
+
+/// Index entries of `postbox.messages` read by `sql` (and by the functions it calls), run in a
+/// transaction that is rolled back: the index statistics before and after, flushed at once.
+fn index_entries_read(db: &TestDb, sql: &str) -> i64 {
+    use diesel::connection::SimpleConnection;
+    use diesel::{QueryableByName, RunQueryDsl};
+    #[derive(QueryableByName)]
+    struct V {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        v: i64,
+    }
+    let mut conn = db.conn();
+    let read = |conn: &mut diesel::PgConnection| {
+        // The previous statement's counters reach the statistics when the session goes idle.
+        conn.batch_execute("SELECT pg_stat_force_next_flush()")
+            .unwrap();
+        conn.batch_execute("SELECT pg_stat_clear_snapshot()")
+            .unwrap();
+        diesel::sql_query(
+            "SELECT coalesce(sum(idx_tup_read), 0)::bigint AS v FROM pg_stat_user_indexes
+             WHERE schemaname = 'postbox' AND relname = 'messages'",
+        )
+        .get_result::<V>(conn)
+        .unwrap()
+        .v
+    };
+    let before = read(&mut conn);
+    conn.batch_execute(&format!("BEGIN; {sql}; ROLLBACK"))
+        .unwrap();
+    read(&mut conn) - before
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limited_claims_walk_only_what_they_can_take() {
+    let db = TestDb::migrated();
+    let store = db.store().await;
+    let running = |topic: &str, key: &str, n: usize| {
+        format!(
+            "INSERT INTO postbox.messages (topic, key, state, attempts, lease_token, locked_until, locked_by)
+             SELECT '{topic}', {key}, 'running', 1, 1, now() + interval '1 hour', 'test' FROM generate_series(1, {n});"
+        )
+    };
+    // A key at its limit (5 running) with 30,000 messages ahead of 50 other keys' 10 each; 30,000
+    // messages of another topic run.
+    db.exec(&format!(
+        "{} {}
+         INSERT INTO postbox.messages (topic, key) SELECT 'jobs', 'full' FROM generate_series(1, 30000);
+         INSERT INTO postbox.messages (topic, key) SELECT 'jobs', 'k' || (g % 50) FROM generate_series(1, 500) g;
+         INSERT INTO postbox.messages (topic) SELECT 'plain' FROM generate_series(1, 100);
+         ANALYZE postbox.messages",
+        running("jobs", "'full'", 5),
+        running("busy", "NULL", 30_000)
+    ));
+    let per_key =
+        "SELECT * FROM postbox.claim_limited('jobs', 5, true, false, '{jobs}', '{}', 100, 30,
+        false, '{jobs}', '{}', '{}', '{}', 1, 'test')";
+    // Against an unlimited claim of as many messages. The old per-key claim walked the full
+    // key's 30,000 rows; the old total limit walked the 30,000 running rows of the other topic.
+    let clean = |topic: &str| {
+        index_entries_read(
+            &db,
+            &format!(
+                "SELECT * FROM postbox.claim(100, 30, false, '{{{topic}}}', '{{}}', '{{}}', '{{}}', 1, 'test')"
+            ),
+        )
+    };
+    let n = index_entries_read(&db, per_key);
+    let clean_jobs = clean("jobs");
+    // The front of the topic is read 4 rows per message wanted, then key by key: bounded by the
+    // batch, not by the backlog.
+    assert!(
+        n <= 5 * clean_jobs,
+        "per key: {n} index entries read, clean {clean_jobs}"
+    );
+    let total =
+        "SELECT * FROM postbox.claim_limited('plain', 1000, false, false, '{plain}', '{}', 100, 30,
+        false, '{plain}', '{}', '{}', '{}', 1, 'test')";
+    let t = index_entries_read(&db, total);
+    let clean_plain = clean("plain");
+    assert!(
+        t <= 2 * clean_plain,
+        "total: {t} index entries read, clean {clean_plain}"
+    );
+    eprintln!(
+        "limited claims: per key {n} index entries read (clean {clean_jobs}), total {t} (clean {clean_plain})"
+    );
+
+    // And what they take: 5 of each other key (its room), none of the full key.
+    let limit = Limit::new(["jobs"], 5).unwrap().per_key(true);
+    let got = store
+        .claim_limited(
+            &limit,
+            100,
+            Duration::from_secs(30),
+            &postbox::Topics::exact(["jobs"]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(got.len(), 100);
+    let mut per: HashMap<String, usize> = HashMap::new();
+    for m in &got {
+        *per.entry(m.key.clone().unwrap()).or_default() += 1;
+    }
+    assert!(!per.contains_key("full"), "{per:?}");
+    assert!(per.values().all(|n| *n <= 5), "{per:?}");
+    let more = store
+        .claim_limited(
+            &limit,
+            500,
+            Duration::from_secs(30),
+            &postbox::Topics::exact(["jobs"]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(more.len(), 150, "the 30 keys not yet taken, 5 each");
+    assert!(
+        store
+            .claim_limited(
+                &limit,
+                10,
+                Duration::from_secs(30),
+                &postbox::Topics::exact(["jobs"])
+            )
+            .await
+            .unwrap()
+            .is_empty(),
+        "every key at its limit"
+    );
+}

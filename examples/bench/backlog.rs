@@ -11,7 +11,12 @@
 //!    keys against 20,000 unordered ones, each inserted by one statement into a freshly migrated
 //!    database (autovacuum off on it, so that no ANALYZE runs meanwhile), drained at once
 //!    (`ordered_drain_ratio_unanalyzed`).
-//! 3. `status` (`Store::stats`) and the metrics sample at `--status-rows` rows (default 10M), next
+//! 3. Limited claims (`--only limits` alone): claim latency, batch 100, of a per-key limit (5 per
+//!    key) when one key at its limit has 100,000 available messages ahead of 100,000 over 1,000
+//!    other keys (`limited_full_key`), and of a total limit (100,000) of a topic when 50,000
+//!    messages of other topics run (`limited_busy`), each against the clean claim measured in the
+//!    same run.
+//! 4. `status` (`Store::stats`) and the metrics sample at `--status-rows` rows (default 10M), next
 //!    to the exact per-topic count that `status` ran before.
 //!
 //! Backlog rows are written with plain `INSERT ... SELECT` through the insert trigger (ordered
@@ -92,6 +97,7 @@ pub async fn run(url: &str, rows: usize, status_rows: usize) {
     let p99s = claim_shapes(url, &store, rows).await;
     let drain_ratio = ordered_drain(url).await;
     let unanalyzed_ratio = ordered_drain_unanalyzed(url).await;
+    limited_claims(url, &store).await;
     let (status_ms, sample_ms) = status_at_scale(url, &store, status_rows).await;
     let clean = p99s[0].1;
     for (name, p99) in &p99s {
@@ -156,6 +162,82 @@ async fn claim_shapes(url: &str, store: &Store, rows: usize) -> Vec<(&'static st
     p99s
 }
 
+/// Claim latencies (ms) of a limited claim of `target`, completing each batch before the next.
+async fn limited_latencies(store: &Store, limit: &postbox::store::Limit) -> Vec<f64> {
+    let topics = Topics::only(["target"]);
+    let started = Instant::now();
+    let mut lat = Vec::new();
+    while lat.len() < CLAIMS && started.elapsed() < SHAPE_BUDGET {
+        let t = Instant::now();
+        let got = store
+            .claim_limited(limit, BATCH, Duration::from_secs(300), &topics)
+            .await
+            .unwrap();
+        lat.push(t.elapsed().as_secs_f64() * 1000.0);
+        if got.is_empty() {
+            break;
+        }
+        let leases: Vec<_> = got.iter().map(|m| m.lease()).collect();
+        store.complete(&leases).await.unwrap();
+    }
+    lat.sort_by(f64::total_cmp);
+    lat
+}
+
+/// Claim p99 (ms) of the clean claim, of a per-key limited claim behind a full key, and of a total
+/// limited claim beside 50,000 running messages of other topics; prints the ratios.
+pub async fn limited_claims(url: &str, store: &Store) -> Vec<(&'static str, f64)> {
+    use postbox::store::Limit;
+    let target =
+        "INSERT INTO postbox.messages (topic) SELECT 'target' FROM generate_series(1, 100000);";
+    let running = |topic: &str, key: &str, n: usize| {
+        format!(
+            "INSERT INTO postbox.messages (topic, key, state, attempts, lease_token, locked_until, locked_by)
+             SELECT '{topic}', {key}, 'running', 1, 1, now() + interval '1 hour', 'bench' FROM generate_series(1, {n});"
+        )
+    };
+    let per_key = Limit::new(["target"], 5).unwrap().per_key(true);
+    let total = Limit::new(["target"], 100_000).unwrap();
+    let shapes: [(&str, String, Option<&Limit>); 3] = [
+        ("clean", target.to_owned(), None),
+        (
+            "limited_full_key",
+            format!(
+                "{} INSERT INTO postbox.messages (topic, key) SELECT 'target', 'full' FROM generate_series(1, 100000);
+                 INSERT INTO postbox.messages (topic, key) SELECT 'target', 'k' || (g % 1000) FROM generate_series(1, 100000) g;",
+                running("target", "'full'", 5)
+            ),
+            Some(&per_key),
+        ),
+        (
+            "limited_busy",
+            format!("{} {target}", running("other", "NULL", 50_000)),
+            Some(&total),
+        ),
+    ];
+    let mut p99s = Vec::new();
+    for (name, setup, limit) in &shapes {
+        reset(url);
+        exec(url, setup);
+        exec(url, "VACUUM ANALYZE postbox.messages");
+        let lat = match limit {
+            None => claim_latencies(store).await,
+            Some(l) => limited_latencies(store, l).await,
+        };
+        let (p50, p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
+        println!(
+            "claim batch {BATCH} on {name}: p50 {p50:.2} ms, p99 {p99:.2} ms over {} claims",
+            lat.len()
+        );
+        p99s.push((*name, p99));
+    }
+    let clean = p99s[0].1;
+    for (name, p99) in &p99s[1..] {
+        println!("claim_p99_ratio_{name}={:.2}", p99 / clean);
+    }
+    p99s
+}
+
 /// Drain rate of ordered messages over that of unordered ones, side by side.
 pub async fn ordered_drain(url: &str) -> f64 {
     let n = 100_000;
@@ -201,8 +283,9 @@ pub async fn ordered_drain_unanalyzed(url: &str) -> f64 {
         } {
             exec(
                 &admin,
-                "DROP DATABASE IF EXISTS postbox_bench_fresh WITH (FORCE); CREATE DATABASE postbox_bench_fresh",
+                "DROP DATABASE IF EXISTS postbox_bench_fresh WITH (FORCE)",
             );
+            exec(&admin, "CREATE DATABASE postbox_bench_fresh");
             postbox::migrate(&mut PgConnection::establish(&fresh).unwrap()).unwrap();
             let rows = if is_ordered {
                 format!(

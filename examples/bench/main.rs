@@ -92,7 +92,7 @@ fn args() -> Args {
                     .expect("--status-rows N")
             }
             other => panic!(
-                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|ordered-drain] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
             ),
         }
     }
@@ -744,6 +744,11 @@ async fn main() {
         let (status, sample) = backlog::status_at_scale(&a.url, &store, a.status_rows).await;
         println!("status_ms_10m={status:.1}");
         println!("sample_ms_10m={sample:.1}");
+        return;
+    }
+    if a.only.as_deref() == Some("limits") {
+        let store = postbox::Store::connect(&a.url, 4).await.unwrap();
+        backlog::limited_claims(&a.url, &store).await;
         return;
     }
     if a.only.as_deref() == Some("backlog") {

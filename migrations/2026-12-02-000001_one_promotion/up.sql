@@ -87,7 +87,7 @@ BEGIN
         v_left_bounds := '{}';
         FOR v_row IN
             WITH nxt AS (
-                SELECT rk.topic, rk.key, rk.removed, w.id, w.run_at <= now() AS due
+                SELECT rk.topic, rk.key, rk.removed, w.id, w.run_at <= statement_timestamp() AS due
                 FROM unnest(v_topics, v_keys, v_bounds) AS rk(topic, key, removed),
                      LATERAL (SELECT w.id, w.run_at FROM postbox.messages w
                               WHERE w.state = 'waiting' AND w.topic = rk.topic AND w.key = rk.key
@@ -111,8 +111,11 @@ BEGIN
             ),
             moved AS (
                 UPDATE postbox.messages m
+                -- Due as of this statement, not of the transaction's start (a hold's transaction
+                -- began before the messages written while it was open).
                 SET state = CASE WHEN r.take THEN 'running'::postbox.message_state
-                                 ELSE postbox.ready_state(m.run_at) END,
+                                 WHEN m.run_at > statement_timestamp() THEN 'scheduled'::postbox.message_state
+                                 ELSE 'available'::postbox.message_state END,
                     attempts = m.attempts + r.take::integer,
                     locked_until = CASE WHEN r.take THEN now() + make_interval(secs => p_lease_secs) END,
                     lease_token = CASE WHEN r.take THEN p_token END,
