@@ -225,37 +225,6 @@ fn a_limit_needs_topics_and_room() {
     assert_eq!(l.name(), "a.*,b");
 }
 
-/// Index entries of `postbox.messages` read by `sql` (and by the functions it calls), run in a
-/// transaction that is rolled back: the index statistics before and after, flushed at once.
-fn index_entries_read(db: &TestDb, sql: &str) -> i64 {
-    use diesel::connection::SimpleConnection;
-    use diesel::{QueryableByName, RunQueryDsl};
-    #[derive(QueryableByName)]
-    struct V {
-        #[diesel(sql_type = diesel::sql_types::BigInt)]
-        v: i64,
-    }
-    let mut conn = db.conn();
-    let read = |conn: &mut diesel::PgConnection| {
-        // The previous statement's counters reach the statistics when the session goes idle.
-        conn.batch_execute("SELECT pg_stat_force_next_flush()")
-            .unwrap();
-        conn.batch_execute("SELECT pg_stat_clear_snapshot()")
-            .unwrap();
-        diesel::sql_query(
-            "SELECT coalesce(sum(idx_tup_read), 0)::bigint AS v FROM pg_stat_user_indexes
-             WHERE schemaname = 'postbox' AND relname = 'messages'",
-        )
-        .get_result::<V>(conn)
-        .unwrap()
-        .v
-    };
-    let before = read(&mut conn);
-    conn.batch_execute(&format!("BEGIN; {sql}; ROLLBACK"))
-        .unwrap();
-    read(&mut conn) - before
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limited_claims_walk_only_what_they_can_take() {
     let db = TestDb::migrated();
@@ -283,14 +252,14 @@ async fn limited_claims_walk_only_what_they_can_take() {
     // Against an unlimited claim of as many messages. The old per-key claim walked the full
     // key's 30,000 rows; the old total limit walked the 30,000 running rows of the other topic.
     let clean = |topic: &str| {
-        index_entries_read(
+        common::index_entries_read(
             &db,
             &format!(
                 "SELECT * FROM postbox.claim(100, 30, false, '{{{topic}}}', '{{}}', '{{}}', '{{}}', 1, 'test')"
             ),
         )
     };
-    let n = index_entries_read(&db, per_key);
+    let n = common::index_entries_read(&db, per_key);
     let clean_jobs = clean("jobs");
     // The front of the topic is read 4 rows per message wanted, then key by key: bounded by the
     // batch, not by the backlog.
@@ -301,7 +270,7 @@ async fn limited_claims_walk_only_what_they_can_take() {
     let total =
         "SELECT * FROM postbox.claim_limited('plain', 1000, false, false, '{plain}', '{}', 100, 30,
         false, '{plain}', '{}', '{}', '{}', 1, 'test')";
-    let t = index_entries_read(&db, total);
+    let t = common::index_entries_read(&db, total);
     let clean_plain = clean("plain");
     assert!(
         t <= 2 * clean_plain,

@@ -10,6 +10,22 @@ DROP TRIGGER messages_after_replay ON postbox.messages;
 
 DROP FUNCTION postbox.messages_after_replay();
 
+CREATE OR REPLACE FUNCTION postbox.messages_check_head() RETURNS trigger
+    LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
+    SET enable_sort TO 'off'
+    SET jit TO 'off'
+    AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(1886352245, postbox.key_lock_id(NEW.topic, NEW.key));
+    PERFORM postbox.promote_key(NEW.topic, NEW.key);
+    RETURN NULL;
+END
+$$;
+
+DROP TABLE postbox.behind;
+
 CREATE OR REPLACE FUNCTION postbox.messages_before_insert() RETURNS trigger
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'

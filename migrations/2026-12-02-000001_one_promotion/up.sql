@@ -16,6 +16,14 @@
 -- it has a head or no waiting message. hand_over, promote_after and promote_key keep their
 -- signatures (relays of the previous release call them) and call it.
 --
+-- Where the next message is looked for: a settler passes the id of the head it removed
+-- (p_removed; a held batch, the first message of the key it delivered). A waiting message with a
+-- smaller id can only be a replayed dead letter that committed while a later message of its key
+-- had already started (or was being delivered by a held batch): the replay's commit check marks
+-- every replayed message left waiting in postbox.behind, and the promotion looks there too. So the search starts after the removed id, and never walks the index entries
+-- of the messages promoted before it (dead until vacuum, and not even marked dead while an older
+-- transaction is open: a drain of one key would otherwise cost O(n) per message).
+--
 -- The head check: a settler passes the id of the head it removed (p_removed). While it holds the
 -- key's promotion lock shared, no other head can appear below that id: the key had one head (the
 -- removed one); writers only add ids above every committed one, and their commit check takes the
@@ -89,9 +97,17 @@ BEGIN
             WITH nxt AS (
                 SELECT rk.topic, rk.key, rk.removed, w.id, w.run_at <= statement_timestamp() AS due
                 FROM unnest(v_topics, v_keys, v_bounds) AS rk(topic, key, removed),
-                     LATERAL (SELECT w.id, w.run_at FROM postbox.messages w
-                              WHERE w.state = 'waiting' AND w.topic = rk.topic AND w.key = rk.key
-                              ORDER BY w.id LIMIT 1) w
+                     LATERAL (SELECT c.id, c.run_at
+                              FROM ((SELECT w.id, w.run_at FROM postbox.messages w
+                                     WHERE w.state = 'waiting' AND w.topic = rk.topic AND w.key = rk.key
+                                       AND w.id > coalesce(rk.removed, 0)
+                                     ORDER BY w.id LIMIT 1)
+                                    UNION ALL
+                                    (SELECT w.id, w.run_at FROM postbox.behind b
+                                     JOIN postbox.messages w ON w.id = b.id AND w.state::text = 'waiting'
+                                     WHERE b.topic = rk.topic AND b.key = rk.key AND rk.removed IS NOT NULL
+                                     ORDER BY b.id LIMIT 1)) c
+                              ORDER BY c.id LIMIT 1) w
                 WHERE CASE WHEN rk.removed IS NULL THEN
                           (SELECT h.id FROM postbox.messages h
                            WHERE h.ordered AND h.topic = rk.topic AND h.key = rk.key
@@ -142,6 +158,13 @@ BEGIN
         v_keys := v_left_keys;
         v_bounds := v_left_bounds;
     END LOOP;
+    -- Marks of messages no longer waiting (promoted, deleted) go.
+    IF EXISTS (SELECT 1 FROM postbox.behind) THEN
+        DELETE FROM postbox.behind b
+        USING unnest(p_topics, p_keys) AS u(t, k)
+        WHERE b.topic = u.t AND b.key = u.k
+          AND NOT EXISTS (SELECT 1 FROM postbox.messages m WHERE m.id = b.id AND m.state::text = 'waiting');
+    END IF;
 END
 $$;
 
@@ -253,6 +276,67 @@ CREATE TRIGGER messages_after_replay AFTER INSERT ON postbox.messages
 FOR EACH ROW
 WHEN (NEW.ordered AND NEW.state <> 'waiting' AND current_setting('postbox.keep_ids', true) = 'on')
 EXECUTE FUNCTION postbox.messages_after_replay();
+
+-- Replayed dead letters waiting behind a later message of their key that had already started
+-- when they committed (see postbox.promote_keys).
+CREATE TABLE postbox.behind (
+    topic text NOT NULL,
+    key text NOT NULL,
+    id bigint NOT NULL,
+    PRIMARY KEY (topic, key, id)
+);
+
+-- The writer's commit check, per waiting message it wrote, under the key's promotion lock held
+-- exclusively (no promotion of the key runs meanwhile; every one before has committed):
+--   * no head: promote (the head was removed while the writer was open);
+--   * a head with a larger id (only a replayed dead letter is older than a head) that has not
+--     started: it goes back to waiting and the replayed message is the head, as if the replay had
+--     committed first;
+--   * a replayed message still waiting is marked in postbox.behind: it may be older than a head
+--     that has started, or than messages a held batch is delivering behind its head, and the
+--     promotion must find it whatever id it searches from.
+CREATE OR REPLACE FUNCTION postbox.messages_check_head() RETURNS trigger
+LANGUAGE plpgsql
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_sort = off
+SET jit = off
+AS $$
+DECLARE
+    v_head record;
+BEGIN
+    PERFORM pg_advisory_xact_lock(1886352245, postbox.key_lock_id(NEW.topic, NEW.key));
+    FOR i IN 1..100 LOOP
+        SELECT id, state INTO v_head FROM postbox.messages
+        WHERE ordered AND topic = NEW.topic AND key = NEW.key AND state <> 'waiting'
+        ORDER BY id DESC LIMIT 1;
+        IF NOT FOUND THEN
+            PERFORM count(*) FROM postbox.promote_keys(ARRAY[NEW.topic], ARRAY[NEW.key], ARRAY[NULL::bigint],
+                                                       true, 0, 1, 0, '');
+            EXIT;
+        END IF;
+        EXIT WHEN v_head.id < NEW.id OR v_head.state NOT IN ('available', 'scheduled')
+            OR NOT EXISTS (SELECT 1 FROM postbox.messages WHERE id = NEW.id AND state::text = 'waiting');
+        -- Waits for a claim or a hold that has the head locked; skipped if it started.
+        UPDATE postbox.messages SET state = 'waiting'
+        WHERE id = v_head.id AND state IN ('available', 'scheduled');
+        IF FOUND THEN
+            UPDATE postbox.messages
+            SET state = CASE WHEN run_at > statement_timestamp() THEN 'scheduled'::postbox.message_state
+                             ELSE 'available'::postbox.message_state END
+            WHERE id = NEW.id;
+            RETURN NULL;
+        END IF;
+        -- It started, or its hold delivered it: look again.
+    END LOOP;
+    IF current_setting('postbox.keep_ids', true) = 'on'
+       AND EXISTS (SELECT 1 FROM postbox.messages WHERE id = NEW.id AND state::text = 'waiting') THEN
+        INSERT INTO postbox.behind (topic, key, id) VALUES (NEW.topic, NEW.key, NEW.id)
+        ON CONFLICT DO NOTHING;
+    END IF;
+    RETURN NULL;
+END
+$$;
 
 -- A held batch's own limit, so the invariant check can name holds kept past it.
 ALTER TABLE postbox.holds ADD COLUMN hold_limit interval;

@@ -119,8 +119,11 @@ WITH gone AS (
             $archive,
             r#"
 heads AS (
-    SELECT array_agg(topic) AS topics, array_agg(key) AS keys, array_agg(id) AS ids
-    FROM gone WHERE id = ANY($7::bigint[])
+    -- Each key's first delivered message: where the search for its next one starts.
+    SELECT array_agg(topic) AS topics, array_agg(key) AS keys, array_agg(first) AS ids
+    FROM (SELECT topic, key, min(id) AS first FROM gone
+          WHERE ordered AND (topic, key) IN (SELECT topic, key FROM gone WHERE id = ANY($7::bigint[]))
+          GROUP BY topic, key) k
 ),
 handed AS (
     SELECT h.* FROM heads, postbox.hand_over(heads.topics, heads.keys, heads.ids, $6,

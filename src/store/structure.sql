@@ -595,9 +595,38 @@ CREATE FUNCTION postbox.messages_check_head() RETURNS trigger
     SET enable_sort TO 'off'
     SET jit TO 'off'
     AS $$
+DECLARE
+    v_head record;
 BEGIN
     PERFORM pg_advisory_xact_lock(1886352245, postbox.key_lock_id(NEW.topic, NEW.key));
-    PERFORM postbox.promote_key(NEW.topic, NEW.key);
+    FOR i IN 1..100 LOOP
+        SELECT id, state INTO v_head FROM postbox.messages
+        WHERE ordered AND topic = NEW.topic AND key = NEW.key AND state <> 'waiting'
+        ORDER BY id DESC LIMIT 1;
+        IF NOT FOUND THEN
+            PERFORM count(*) FROM postbox.promote_keys(ARRAY[NEW.topic], ARRAY[NEW.key], ARRAY[NULL::bigint],
+                                                       true, 0, 1, 0, '');
+            EXIT;
+        END IF;
+        EXIT WHEN v_head.id < NEW.id OR v_head.state NOT IN ('available', 'scheduled')
+            OR NOT EXISTS (SELECT 1 FROM postbox.messages WHERE id = NEW.id AND state::text = 'waiting');
+        -- Waits for a claim or a hold that has the head locked; skipped if it started.
+        UPDATE postbox.messages SET state = 'waiting'
+        WHERE id = v_head.id AND state IN ('available', 'scheduled');
+        IF FOUND THEN
+            UPDATE postbox.messages
+            SET state = CASE WHEN run_at > statement_timestamp() THEN 'scheduled'::postbox.message_state
+                             ELSE 'available'::postbox.message_state END
+            WHERE id = NEW.id;
+            RETURN NULL;
+        END IF;
+        -- It started, or its hold delivered it: look again.
+    END LOOP;
+    IF current_setting('postbox.keep_ids', true) = 'on'
+       AND EXISTS (SELECT 1 FROM postbox.messages WHERE id = NEW.id AND state::text = 'waiting') THEN
+        INSERT INTO postbox.behind (topic, key, id) VALUES (NEW.topic, NEW.key, NEW.id)
+        ON CONFLICT DO NOTHING;
+    END IF;
     RETURN NULL;
 END
 $$;
@@ -757,9 +786,17 @@ BEGIN
             WITH nxt AS (
                 SELECT rk.topic, rk.key, rk.removed, w.id, w.run_at <= statement_timestamp() AS due
                 FROM unnest(v_topics, v_keys, v_bounds) AS rk(topic, key, removed),
-                     LATERAL (SELECT w.id, w.run_at FROM postbox.messages w
-                              WHERE w.state = 'waiting' AND w.topic = rk.topic AND w.key = rk.key
-                              ORDER BY w.id LIMIT 1) w
+                     LATERAL (SELECT c.id, c.run_at
+                              FROM ((SELECT w.id, w.run_at FROM postbox.messages w
+                                     WHERE w.state = 'waiting' AND w.topic = rk.topic AND w.key = rk.key
+                                       AND w.id > coalesce(rk.removed, 0)
+                                     ORDER BY w.id LIMIT 1)
+                                    UNION ALL
+                                    (SELECT w.id, w.run_at FROM postbox.behind b
+                                     JOIN postbox.messages w ON w.id = b.id AND w.state::text = 'waiting'
+                                     WHERE b.topic = rk.topic AND b.key = rk.key AND rk.removed IS NOT NULL
+                                     ORDER BY b.id LIMIT 1)) c
+                              ORDER BY c.id LIMIT 1) w
                 WHERE CASE WHEN rk.removed IS NULL THEN
                           (SELECT h.id FROM postbox.messages h
                            WHERE h.ordered AND h.topic = rk.topic AND h.key = rk.key
@@ -810,6 +847,13 @@ BEGIN
         v_keys := v_left_keys;
         v_bounds := v_left_bounds;
     END LOOP;
+    -- Marks of messages no longer waiting (promoted, deleted) go.
+    IF EXISTS (SELECT 1 FROM postbox.behind) THEN
+        DELETE FROM postbox.behind b
+        USING unnest(p_topics, p_keys) AS u(t, k)
+        WHERE b.topic = u.t AND b.key = u.k
+          AND NOT EXISTS (SELECT 1 FROM postbox.messages m WHERE m.id = b.id AND m.state::text = 'waiting');
+    END IF;
 END
 $$;
 
@@ -990,6 +1034,16 @@ END
 $$;
 
 --
+-- Name: behind; Type: TABLE; Schema: postbox; Owner: -
+--
+
+CREATE TABLE postbox.behind (
+    topic text NOT NULL,
+    key text NOT NULL,
+    id bigint NOT NULL
+);
+
+--
 -- Name: completed; Type: TABLE; Schema: postbox; Owner: -
 --
 
@@ -1102,6 +1156,13 @@ CREATE TABLE postbox.schedules (
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     CONSTRAINT schedules_name_check CHECK ((name <> ''::text))
 );
+
+--
+-- Name: behind behind_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -
+--
+
+ALTER TABLE ONLY postbox.behind
+    ADD CONSTRAINT behind_pkey PRIMARY KEY (topic, key, id);
 
 --
 -- Name: dead_letters dead_letters_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -

@@ -484,3 +484,34 @@ impl Drop for OwnServer {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// Index entries of `postbox.messages` read by `sql` (and by the functions it calls), run in a
+/// transaction that is rolled back: the index statistics before and after, flushed at once.
+pub fn index_entries_read(db: &TestDb, sql: &str) -> i64 {
+    use diesel::connection::SimpleConnection;
+    use diesel::{QueryableByName, RunQueryDsl};
+    #[derive(QueryableByName)]
+    struct V {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        v: i64,
+    }
+    let mut conn = db.conn();
+    let read = |conn: &mut diesel::PgConnection| {
+        // The previous statement's counters reach the statistics when the session goes idle.
+        conn.batch_execute("SELECT pg_stat_force_next_flush()")
+            .unwrap();
+        conn.batch_execute("SELECT pg_stat_clear_snapshot()")
+            .unwrap();
+        diesel::sql_query(
+            "SELECT coalesce(sum(idx_tup_read), 0)::bigint AS v FROM pg_stat_user_indexes
+             WHERE schemaname = 'postbox' AND relname = 'messages'",
+        )
+        .get_result::<V>(conn)
+        .unwrap()
+        .v
+    };
+    let before = read(&mut conn);
+    conn.batch_execute(&format!("BEGIN; {sql}; ROLLBACK"))
+        .unwrap();
+    read(&mut conn) - before
+}
