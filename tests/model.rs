@@ -472,6 +472,15 @@ async fn random_interleavings_keep_every_invariant() {
         *handed.entry(*id).or_default() += 1;
     }
     let log_len = world.log.lock().unwrap().len();
+    // What the tolerated errors were, by kind.
+    let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
+    for line in world.log.lock().unwrap().iter() {
+        if let Some((_, e)) = line.split_once("failed: ") {
+            let kind: String = e.chars().take(60).collect();
+            *kinds.entry(kind).or_default() += 1;
+        }
+    }
+    eprintln!("model: tolerated errors by kind: {kinds:#?}");
     eprintln!(
         "model: seed {seed}, {secs} s, {log_len} operations, {} messages ({} dead), {} ordered deliveries checked over {} keys, {} errors tolerated (lock timeouts, terminated backends), terminated: {}",
         produced.len(),

@@ -434,3 +434,49 @@ async fn draining_one_key_with_a_transaction_open_costs_the_same_per_message() {
     assert!(read < 50, "{read} index entries read by one hand-over");
     eprintln!("one hand-over after 1,000 with a snapshot open: {read} index entries read");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_commit_does_not_wait_for_a_held_head_and_goes_behind_it() {
+    let db = TestDb::migrated();
+    let store = db.store().await;
+    let ids = enqueue(&db, vec![ord("k"), ord("k"), ord("k")]);
+    let (a, r, m) = (ids[0], ids[1], ids[2]);
+    let head = store.claim(10, LEASE, &topics()).await.unwrap();
+    assert_eq!(head[0].id, a);
+    store.cancel(&CancelSelector::Ids(vec![r])).await.unwrap();
+
+    // R's replay is in (waiting behind A), held before its commit; A is settled (M is the head)
+    // and a held batch takes M.
+    let gate = Gate::on(&db, "postbox.dead_letters", "DELETE");
+    let s = store.clone();
+    let replay = tokio::spawn(async move { s.dead_replay(&DeadSelector::Ids(vec![r])).await });
+    blocked(&db, "advisory", 1).await;
+    store.complete(&[head[0].lease()]).await.unwrap();
+    let hold = store
+        .take(10, Duration::from_secs(30), &topics(), &[], 0)
+        .await
+        .unwrap()
+        .unwrap();
+    store.register_hold(&hold).await.unwrap();
+    assert_eq!(hold.messages.iter().map(|m| m.id).collect::<Vec<_>>(), [m]);
+    // The replay commits while the hold is open: it does not wait for the held head.
+    gate.open();
+    let report = tokio::time::timeout(Duration::from_secs(20), replay)
+        .await
+        .expect("the replay's commit waited for the held batch")
+        .unwrap()
+        .unwrap();
+    assert_eq!(report.replayed, [r]);
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) AS v FROM postbox.behind WHERE id = {r}"
+        )),
+        1
+    );
+    // The held batch settles M; R is next.
+    store.end_hold(hold, &[m], &[], LEASE, 0).await.unwrap();
+    assert_clean(&store).await;
+    deliver(&store, r).await;
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.behind"), 0);
+}

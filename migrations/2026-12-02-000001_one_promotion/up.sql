@@ -237,9 +237,15 @@ BEGIN
             -- here, demoted by messages_after_replay once the row is in)...
             PERFORM 1 FROM postbox.messages
             WHERE id = v_head.id AND state IN ('available', 'scheduled')
-            FOR UPDATE;
+            FOR UPDATE SKIP LOCKED;
             IF FOUND THEN
                 NEW.state := postbox.ready_state(NEW.run_at);
+                RETURN NEW;
+            END IF;
+            IF v_head.state IN ('available', 'scheduled') THEN
+                -- ...behind one that a claim or a held batch has locked (it is starting: not
+                -- waited for, with the key's writer lock held), marked at commit...
+                NEW.state := 'waiting';
                 RETURN NEW;
             END IF;
             -- ...but not behind one that runs: it stays dead (the replay reports it skipped) and
@@ -290,8 +296,9 @@ CREATE TABLE postbox.behind (
 -- exclusively (no promotion of the key runs meanwhile; every one before has committed):
 --   * no head: promote (the head was removed while the writer was open);
 --   * a head with a larger id (only a replayed dead letter is older than a head) that has not
---     started: it goes back to waiting and the replayed message is the head, as if the replay had
---     committed first;
+--     started and is not locked (a claim or a held batch taking it): it goes back to waiting and
+--     the replayed message is the head, as if the replay had committed first (no row lock is
+--     waited for while the promotion lock is held exclusively);
 --   * a replayed message still waiting is marked in postbox.behind: it may be older than a head
 --     that has started, or than messages a held batch is delivering behind its head, and the
 --     promotion must find it whatever id it searches from.
@@ -306,29 +313,28 @@ DECLARE
     v_head record;
 BEGIN
     PERFORM pg_advisory_xact_lock(1886352245, postbox.key_lock_id(NEW.topic, NEW.key));
-    FOR i IN 1..100 LOOP
-        SELECT id, state INTO v_head FROM postbox.messages
-        WHERE ordered AND topic = NEW.topic AND key = NEW.key AND state <> 'waiting'
-        ORDER BY id DESC LIMIT 1;
-        IF NOT FOUND THEN
-            PERFORM count(*) FROM postbox.promote_keys(ARRAY[NEW.topic], ARRAY[NEW.key], ARRAY[NULL::bigint],
-                                                       true, 0, 1, 0, '');
-            EXIT;
-        END IF;
-        EXIT WHEN v_head.id < NEW.id OR v_head.state NOT IN ('available', 'scheduled')
-            OR NOT EXISTS (SELECT 1 FROM postbox.messages WHERE id = NEW.id AND state::text = 'waiting');
-        -- Waits for a claim or a hold that has the head locked; skipped if it started.
-        UPDATE postbox.messages SET state = 'waiting'
-        WHERE id = v_head.id AND state IN ('available', 'scheduled');
+    SELECT id, state INTO v_head FROM postbox.messages
+    WHERE ordered AND topic = NEW.topic AND key = NEW.key AND state <> 'waiting'
+    ORDER BY id DESC LIMIT 1;
+    IF NOT FOUND THEN
+        PERFORM count(*) FROM postbox.promote_keys(ARRAY[NEW.topic], ARRAY[NEW.key], ARRAY[NULL::bigint],
+                                                   true, 0, 1, 0, '');
+    ELSIF v_head.id > NEW.id AND v_head.state IN ('available', 'scheduled')
+          AND EXISTS (SELECT 1 FROM postbox.messages WHERE id = NEW.id AND state::text = 'waiting') THEN
+        -- Not waited for while the key's promotion lock is held exclusively: a head that a claim
+        -- or a held batch has locked is starting, and the replayed message goes behind it.
+        PERFORM 1 FROM postbox.messages
+        WHERE id = v_head.id AND state IN ('available', 'scheduled')
+        FOR UPDATE SKIP LOCKED;
         IF FOUND THEN
+            UPDATE postbox.messages SET state = 'waiting' WHERE id = v_head.id;
             UPDATE postbox.messages
             SET state = CASE WHEN run_at > statement_timestamp() THEN 'scheduled'::postbox.message_state
                              ELSE 'available'::postbox.message_state END
             WHERE id = NEW.id;
             RETURN NULL;
         END IF;
-        -- It started, or its hold delivered it: look again.
-    END LOOP;
+    END IF;
     IF current_setting('postbox.keep_ids', true) = 'on'
        AND EXISTS (SELECT 1 FROM postbox.messages WHERE id = NEW.id AND state::text = 'waiting') THEN
         INSERT INTO postbox.behind (topic, key, id) VALUES (NEW.topic, NEW.key, NEW.id)
