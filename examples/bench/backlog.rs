@@ -42,17 +42,20 @@ fn exec(url: &str, sql: &str) {
         .unwrap();
 }
 
-/// Claim latencies (ms) of `target`, batch 100, completing each batch before the next claim.
-async fn claim_latencies(store: &Store) -> Vec<f64> {
+/// Claim latencies (ms) of `target`, batch 100, under `limit` if given, completing each batch
+/// before the next claim.
+async fn claim_latencies(store: &Store, limit: Option<&postbox::store::Limit>) -> Vec<f64> {
     let topics = Topics::only(["target"]);
+    let lease = Duration::from_secs(300);
     let started = Instant::now();
     let mut lat = Vec::new();
     while lat.len() < CLAIMS && started.elapsed() < SHAPE_BUDGET {
         let t = Instant::now();
-        let got = store
-            .claim(BATCH, Duration::from_secs(300), &topics)
-            .await
-            .unwrap();
+        let got = match limit {
+            None => store.claim(BATCH, lease, &topics).await,
+            Some(l) => store.claim_limited(l, BATCH, lease, &topics).await,
+        }
+        .unwrap();
         lat.push(t.elapsed().as_secs_f64() * 1000.0);
         if got.is_empty() {
             break;
@@ -150,7 +153,7 @@ async fn claim_shapes(url: &str, store: &Store, rows: usize) -> Vec<(&'static st
         exec(url, setup);
         exec(url, "VACUUM ANALYZE postbox.messages");
         let built = t.elapsed();
-        let lat = claim_latencies(store).await;
+        let lat = claim_latencies(store, None).await;
         let (p50, p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
         println!(
             "claim batch {BATCH} on {name}: p50 {p50:.2} ms, p99 {p99:.2} ms over {} claims (table built in {:.1} s)",
@@ -160,28 +163,6 @@ async fn claim_shapes(url: &str, store: &Store, rows: usize) -> Vec<(&'static st
         p99s.push((*name, p99));
     }
     p99s
-}
-
-/// Claim latencies (ms) of a limited claim of `target`, completing each batch before the next.
-async fn limited_latencies(store: &Store, limit: &postbox::store::Limit) -> Vec<f64> {
-    let topics = Topics::only(["target"]);
-    let started = Instant::now();
-    let mut lat = Vec::new();
-    while lat.len() < CLAIMS && started.elapsed() < SHAPE_BUDGET {
-        let t = Instant::now();
-        let got = store
-            .claim_limited(limit, BATCH, Duration::from_secs(300), &topics)
-            .await
-            .unwrap();
-        lat.push(t.elapsed().as_secs_f64() * 1000.0);
-        if got.is_empty() {
-            break;
-        }
-        let leases: Vec<_> = got.iter().map(|m| m.lease()).collect();
-        store.complete(&leases).await.unwrap();
-    }
-    lat.sort_by(f64::total_cmp);
-    lat
 }
 
 /// Claim p99 (ms) of the clean claim, of a per-key limited claim behind a full key, and of a total
@@ -220,10 +201,7 @@ pub async fn limited_claims(url: &str, store: &Store) -> Vec<(&'static str, f64)
         reset(url);
         exec(url, setup);
         exec(url, "VACUUM ANALYZE postbox.messages");
-        let lat = match limit {
-            None => claim_latencies(store).await,
-            Some(l) => limited_latencies(store, l).await,
-        };
+        let lat = claim_latencies(store, *limit).await;
         let (p50, p99) = (percentile(&lat, 0.5), percentile(&lat, 0.99));
         println!(
             "claim batch {BATCH} on {name}: p50 {p50:.2} ms, p99 {p99:.2} ms over {} claims",
