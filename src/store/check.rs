@@ -42,6 +42,11 @@ const CHECK: &str =
 
 const STRANDED: &str = "SELECT topic, key FROM postbox.stranded_keys($1)";
 
+/// Marks of replayed messages that no longer wait (cancelled while waiting, in a key that had no
+/// promotion since): the next promotion of the key would drop them; the rescuer does meanwhile.
+const STALE_MARKS: &str = "DELETE FROM postbox.behind b WHERE NOT EXISTS
+    (SELECT 1 FROM postbox.messages m WHERE m.id = b.id AND m.state = 'waiting')";
+
 /// The writers' promotion of the keys (exclusive on their promotion locks): a key that has a head
 /// by now is left alone.
 const PROMOTE: &str = "SELECT count(*) FROM postbox.promote_keys($1, $2, NULL, true, 0, 1, 0, '')";
@@ -65,6 +70,7 @@ impl Store {
         let limit = i32::try_from(limit).unwrap_or(i32::MAX);
         let keys = conn
             .transaction(async |conn| {
+                diesel::sql_query(STALE_MARKS).execute(conn).await?;
                 let keys: Vec<RepairedKey> = diesel::sql_query(STRANDED)
                     .bind::<Integer, _>(limit)
                     .load(conn)
