@@ -782,3 +782,62 @@ async fn a_second_signal_hands_running_messages_back_at_once() {
         1
     );
 }
+
+/// Hands back the first delivery of every message with an even id (as a Kafka batch that a broker
+/// outage failed in part), delivers the rest.
+struct PartlyAway(Mutex<std::collections::HashSet<i64>>);
+
+impl postbox::sink::Sink for PartlyAway {
+    fn name(&self) -> &str {
+        "partly"
+    }
+    fn topics(&self) -> postbox::Topics {
+        postbox::Topics::all()
+    }
+    fn deliver(
+        &self,
+        batch: Vec<postbox::ClaimedMessage>,
+    ) -> futures_util::future::BoxFuture<
+        '_,
+        Result<Vec<postbox::sink::Outcome>, postbox::sink::Unavailable>,
+    > {
+        let mut seen = self.0.lock().unwrap();
+        let out = batch
+            .iter()
+            .map(|m| {
+                if m.id % 2 == 0 && seen.insert(m.id) {
+                    postbox::sink::Outcome::Release {
+                        reason: "away".into(),
+                    }
+                } else {
+                    postbox::sink::Outcome::Delivered
+                }
+            })
+            .collect();
+        Box::pin(futures_util::future::ready(Ok(out)))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_a_sink_hands_back_from_a_partly_delivered_batch_use_no_attempt() {
+    let db = TestDb::migrated();
+    // One attempt each: a handed-back message that used it would be dead-lettered.
+    let msgs: Vec<Message> = (0..50)
+        .map(|_| Message::new("t").max_attempts(1))
+        .collect();
+    common::enqueue(&db, msgs);
+    let engine = Engine::builder(db.url.clone())
+        .sink(PartlyAway(Mutex::default()))
+        .config(EngineConfig {
+            drain: true,
+            ..Default::default()
+        })
+        .build()
+        .await
+        .unwrap();
+    let report = engine.run(CancellationToken::new()).await.unwrap();
+    assert_eq!(report.delivered, 50, "{report:?}");
+    assert_eq!((report.retried, report.dead_lettered), (0, 0), "{report:?}");
+    assert_eq!(report.released, 25, "{report:?}");
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.dead_letters"), 0);
+}

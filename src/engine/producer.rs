@@ -659,6 +659,7 @@ impl From<Outcome> for SettleKind {
                 delay,
             },
             Outcome::Dead { reason } => SettleKind::Dead { reason },
+            Outcome::Release { .. } => SettleKind::Release,
         }
     }
 }

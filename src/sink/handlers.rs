@@ -165,7 +165,9 @@ impl Handlers {
                     let span = cx.span();
                     match &outcome {
                         Outcome::Delivered => span.set_status(Status::Ok),
-                        Outcome::Retry { reason, .. } | Outcome::Dead { reason } => {
+                        Outcome::Retry { reason, .. }
+                        | Outcome::Dead { reason }
+                        | Outcome::Release { reason } => {
                             span.set_status(Status::error(reason.clone()))
                         }
                     }

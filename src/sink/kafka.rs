@@ -323,7 +323,12 @@ impl Sink for KafkaSink {
                         Failure::Permanent => Outcome::Dead {
                             reason: format!("kafka: {e}"),
                         },
-                        Failure::Route | Failure::Outage | Failure::Transient => Outcome::Retry {
+                        // The broker went away while part of the batch was delivered: the rest
+                        // goes back without using an attempt, as a wholly failed batch does.
+                        Failure::Outage => Outcome::Release {
+                            reason: format!("kafka: {e}"),
+                        },
+                        Failure::Route | Failure::Transient => Outcome::Retry {
                             reason: format!("kafka: {e}"),
                             delay: None,
                         },

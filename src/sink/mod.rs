@@ -26,6 +26,9 @@ pub enum Outcome {
     },
     /// Can never succeed: dead-letter it now with this reason.
     Dead { reason: String },
+    /// Not delivered because the sink is away (a broker outage that failed part of a batch): hand
+    /// it back without using an attempt, as a whole batch is when the sink is `Unavailable`.
+    Release { reason: String },
 }
 
 /// The sink as a whole cannot deliver right now (broker down). The engine hands the batch back
