@@ -822,9 +822,7 @@ impl postbox::sink::Sink for PartlyAway {
 async fn messages_a_sink_hands_back_from_a_partly_delivered_batch_use_no_attempt() {
     let db = TestDb::migrated();
     // One attempt each: a handed-back message that used it would be dead-lettered.
-    let msgs: Vec<Message> = (0..50)
-        .map(|_| Message::new("t").max_attempts(1))
-        .collect();
+    let msgs: Vec<Message> = (0..50).map(|_| Message::new("t").max_attempts(1)).collect();
     common::enqueue(&db, msgs);
     let engine = Engine::builder(db.url.clone())
         .sink(PartlyAway(Mutex::default()))
@@ -839,5 +837,8 @@ async fn messages_a_sink_hands_back_from_a_partly_delivered_batch_use_no_attempt
     assert_eq!(report.delivered, 50, "{report:?}");
     assert_eq!((report.retried, report.dead_lettered), (0, 0), "{report:?}");
     assert_eq!(report.released, 25, "{report:?}");
-    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.dead_letters"), 0);
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters"),
+        0
+    );
 }
