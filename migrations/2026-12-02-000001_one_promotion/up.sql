@@ -182,8 +182,8 @@ RETURNS integer
 LANGUAGE sql
 AS $$ SELECT count(*)::integer FROM postbox.promote_keys(p_topics, p_keys, p_removed, false, 0, 1, 0, '') $$;
 
--- The writer's commit check, once per waiting message it wrote (it holds the key's promotion lock
--- exclusively already). Nearly always the key has its head: one index probe, as before.
+-- By hand (the README's runbook) and for callers of the previous release: promotes the key if it
+-- has no head. Nearly always it has one: one index probe.
 CREATE OR REPLACE FUNCTION postbox.promote_key(p_topic text, p_key text)
 RETURNS void
 LANGUAGE plpgsql

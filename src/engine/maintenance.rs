@@ -54,17 +54,6 @@ impl Rescuer {
     /// head again (logged at WARN: no path of the model strands a key, an operator's SQL can);
     /// returns what it rescued.
     pub async fn run_once(&self) -> Result<RetryReport> {
-        let repaired = self.store.repair(REPAIR_BATCH).await?;
-        if !repaired.is_empty() {
-            for k in &repaired {
-                tracing::warn!(
-                    topic = %k.topic,
-                    key = %k.key,
-                    "repaired a stranded ordered key: it had waiting messages and no head; its first waiting message is its head again"
-                );
-            }
-            self.observer.keys_repaired(repaired.len());
-        }
         let stale = self.store.clean_listeners().await?;
         if stale > 0 {
             tracing::info!(
@@ -86,9 +75,26 @@ impl Rescuer {
             total.retried.extend(r.retried);
             total.dead.extend(r.dead);
             if (n as i64) < RESCUE_BATCH {
-                return Ok(total);
+                break;
             }
         }
+        // After the rescues, and never in their way: a repair that fails (a key's promotion lock
+        // busy past its wait) is tried again next tick.
+        match self.store.repair(REPAIR_BATCH).await {
+            Ok(repaired) if !repaired.is_empty() => {
+                for k in &repaired {
+                    tracing::warn!(
+                        topic = %k.topic,
+                        key = %k.key,
+                        "repaired a stranded ordered key: it had waiting messages and no head; its first waiting message is its head again"
+                    );
+                }
+                self.observer.keys_repaired(repaired.len());
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "repair of stranded ordered keys failed"),
+        }
+        Ok(total)
     }
 
     /// Ticks until `stop`.
