@@ -5,6 +5,10 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 
 /// Messages claimed per claim statement.
+/// After the shutdown deadline, how long the last writes (outcomes, hand-backs) may take before
+/// shutdown ends anyway and leaves them to lease expiry.
+pub(crate) const SHUTDOWN_WRITE_WINDOW: Duration = Duration::from_secs(5);
+
 pub const DEFAULT_BATCH_SIZE: usize = 100;
 /// Claim loops per engine. One keeps up with a 2-core database here (measured: 2 loops drained no
 /// faster); more can help a database with more cores (SKIP LOCKED keeps them from waiting on each

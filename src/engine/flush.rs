@@ -9,7 +9,7 @@ use chrono::Utc;
 
 use super::completer::{HandOver, Settle, SettleKind};
 use super::observer::{Observer, Settlement};
-use crate::store::{Dead, Retry, Store};
+use crate::store::{Dead, Retry, RetryReport, Settled, Store};
 
 /// Failed tries of the same batch before the database is asked whether it is up, and the batch is
 /// split (or, alone, the outcome is given up on) if it is.
@@ -75,6 +75,12 @@ impl Writer<'_> {
         }
     }
 
+    /// Writes `buf` with one statement per kind of outcome. Each statement commits on its own, so
+    /// the result of one that succeeded is kept and it is never run again: a complete-and-hand-over
+    /// that committed next to a retry that failed has passed its key's next messages to this
+    /// engine, and those must be delivered, not forgotten (running it again would be fenced and
+    /// would hand over nothing). When giving up, what was written is reported and removed from
+    /// `buf`; what is left is what failed.
     async fn try_write(&self, buf: &mut Vec<Settle>) -> Tried {
         let mut complete = Vec::new();
         let mut heads = 0;
@@ -99,32 +105,72 @@ impl Writer<'_> {
                 SettleKind::Release => release.push(s.lease),
             }
         }
-        let reserved = self.hand_over.reserve(heads);
+        let mut reserved = self.hand_over.reserve(heads);
         let take = reserved.as_ref().map_or(0, |r| r.1);
         let mut pause = Duration::from_millis(50);
         let mut tries = 0;
         let mut give_up_at: Option<Instant> = None;
         let store = self.store;
-        let ((c, next), r, d, l) = loop {
-            let result = tokio::try_join!(
-                store.complete_and_take(&complete, take, self.hand_over.lease()),
-                store.retry(&retry),
-                store.dead_letter(&dead),
-                store.release(&release),
+        let mut written = Written::default();
+        let failure = loop {
+            let (c, r, d, l) = tokio::join!(
+                async {
+                    match written.complete {
+                        None => Some(
+                            store
+                                .complete_and_take(&complete, take, self.hand_over.lease())
+                                .await,
+                        ),
+                        Some(_) => None,
+                    }
+                },
+                async {
+                    match written.retry {
+                        None => Some(store.retry(&retry).await),
+                        Some(_) => None,
+                    }
+                },
+                async {
+                    match written.dead {
+                        None => Some(store.dead_letter(&dead).await),
+                        Some(_) => None,
+                    }
+                },
+                async {
+                    match written.release {
+                        None => Some(store.release(&release).await),
+                        Some(_) => None,
+                    }
+                },
             );
-            let e = match result {
-                Ok(ok) => break ok,
-                Err(e) => e,
+            let mut error = None;
+            match c {
+                Some(Ok((settled, next))) => {
+                    // Handed over now, once: they are ours to deliver whatever happens next.
+                    if let Some((permits, _)) = reserved.take() {
+                        self.observer.claimed(next.len());
+                        self.hand_over.push(next, permits);
+                    }
+                    written.complete = Some(settled);
+                }
+                Some(Err(e)) => error = Some(e),
+                None => {}
+            }
+            keep(&mut written.retry, r, &mut error);
+            keep(&mut written.dead, d, &mut error);
+            keep(&mut written.release, l, &mut error);
+            let Some(e) = error else {
+                break None;
             };
             tries += 1;
             if self.hand_over.shutdown().is_cancelled() {
                 let at = *give_up_at.get_or_insert_with(|| Instant::now() + self.shutdown_deadline);
                 if Instant::now() >= at {
-                    return Tried::OutOfTime(e);
+                    break Some(Tried::OutOfTime(e));
                 }
             }
             if tries >= TRIES_BEFORE_SPLIT && store.ping().await.is_ok() {
-                return Tried::Refused(e);
+                break Some(Tried::Refused(e));
             }
             // Waiting for the database is not being stuck.
             self.observer.alive(self.sink.name());
@@ -132,22 +178,41 @@ impl Writer<'_> {
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_secs(5));
         };
-        if let Some((permits, _)) = reserved {
-            self.observer.claimed(next.len());
-            self.hand_over.push(next, permits);
-        }
-        // Report per message: what happened to it, as the database saw it.
+        self.report(buf, &written);
+        self.observer.alive(self.sink.name());
+        failure.unwrap_or(Tried::Written)
+    }
+
+    /// Reports every outcome of `buf` whose statement was written (what happened to it, as the
+    /// database saw it) and removes it from `buf`.
+    fn report(&self, buf: &mut Vec<Settle>, w: &Written) {
         let now = Utc::now();
-        let fenced: HashSet<i64> = c
-            .fenced
-            .iter()
-            .chain(&r.fenced)
-            .chain(&d.fenced)
-            .chain(&l.fenced)
-            .copied()
-            .collect();
-        let exhausted: HashSet<i64> = r.dead.iter().copied().collect();
-        for s in buf.drain(..) {
+        let fenced: HashSet<i64> = [
+            w.complete.as_ref().map(|s| &s.fenced),
+            w.retry.as_ref().map(|r| &r.fenced),
+            w.dead.as_ref().map(|s| &s.fenced),
+            w.release.as_ref().map(|s| &s.fenced),
+        ]
+        .into_iter()
+        .flatten()
+        .flatten()
+        .copied()
+        .collect();
+        let exhausted: HashSet<i64> = w
+            .retry
+            .as_ref()
+            .map(|r| r.dead.iter().copied().collect())
+            .unwrap_or_default();
+        buf.retain(|s| {
+            let done = match s.kind {
+                SettleKind::Complete => w.complete.is_some(),
+                SettleKind::Retry { .. } => w.retry.is_some(),
+                SettleKind::Dead { .. } => w.dead.is_some(),
+                SettleKind::Release => w.release.is_some(),
+            };
+            if !done {
+                return true;
+            }
             let what = if fenced.contains(&s.lease.id) {
                 Settlement::Fenced
             } else {
@@ -163,8 +228,27 @@ impl Writer<'_> {
             };
             let age = (now - s.created_at).to_std().unwrap_or_default();
             self.observer.settled(&s.topic, self.sink.name(), what, age);
+            false
+        });
+    }
+}
+
+/// The statements of one flush that committed, with their results.
+#[derive(Default)]
+struct Written {
+    complete: Option<Settled>,
+    retry: Option<RetryReport>,
+    dead: Option<Settled>,
+    release: Option<Settled>,
+}
+
+/// Keeps a statement's result, or the first error.
+fn keep<T>(slot: &mut Option<T>, result: Option<crate::Result<T>>, error: &mut Option<crate::Error>) {
+    match result {
+        Some(Ok(v)) => *slot = Some(v),
+        Some(Err(e)) => {
+            error.get_or_insert(e);
         }
-        self.observer.alive(self.sink.name());
-        Tried::Written
+        None => {}
     }
 }

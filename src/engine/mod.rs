@@ -409,26 +409,60 @@ impl Engine {
             hand_over: hand_over.clone(),
             holds: Arc::new(tokio::sync::Semaphore::new(config::MAX_HOLDS)),
         });
-        let loops: Vec<_> = (0..self.config.claimers)
-            .map(|_| tokio::spawn(producer.clone().run()))
-            .collect();
-        let mut running = tokio::task::JoinSet::new();
-        for l in loops {
-            let mut tasks = l.await.expect("claim loop panicked");
-            // Keep the deliveries of every loop in one set (aborting it aborts them all).
-            running.spawn(async move {
-                let _guard = AbortOnDrop(&mut tasks);
-                while _guard.0.join_next().await.is_some() {}
-            });
+        let mut loops = tokio::task::JoinSet::new();
+        for _ in 0..self.config.claimers {
+            loops.spawn(producer.clone().run());
         }
         drop(producer);
+        let mut running = tokio::task::JoinSet::new();
+        // The claim loops end at shutdown (or, draining, when nothing is left). One that is in a
+        // claim waiting on a lock (a migration's ALTER TABLE) is given until the deadline, then
+        // abandoned with its deliveries: shutdown keeps its deadline and the hard stop.
+        let mut deadline: Option<tokio::time::Instant> = None;
+        let mut abandoned = false;
+        loop {
+            let joined = tokio::select! {
+                j = loops.join_next() => j,
+                _ = shutdown.cancelled(), if deadline.is_none() => {
+                    deadline = Some(tokio::time::Instant::now() + self.config.shutdown_deadline);
+                    continue;
+                }
+                _ = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)),
+                    if deadline.is_some() && !abandoned => {
+                    tracing::warn!(loops = loops.len(), "shutdown deadline reached in a claim; abandoning it");
+                    abandoned = true;
+                    loops.abort_all();
+                    continue;
+                }
+                _ = hard_stop.cancelled(), if !abandoned => {
+                    abandoned = true;
+                    loops.abort_all();
+                    continue;
+                }
+            };
+            match joined {
+                None => break,
+                Some(Ok(mut tasks)) => {
+                    // Keep the deliveries of every loop in one set (aborting it aborts them all).
+                    running.spawn(async move {
+                        let _guard = AbortOnDrop(&mut tasks);
+                        while _guard.0.join_next().await.is_some() {}
+                    });
+                }
+                Some(Err(e)) if e.is_cancelled() => {}
+                Some(Err(e)) => std::panic::resume_unwind(e.into_panic()),
+            }
+        }
 
         // Shutdown: no more claims. Running deliveries get until the deadline.
-        let finished = tokio::select! {
-            _ = async { while running.join_next().await.is_some() {} } => true,
-            _ = tokio::time::sleep(self.config.shutdown_deadline) => false,
-            _ = hard_stop.cancelled() => false,
-        };
+        let until = deadline
+            .unwrap_or_else(|| tokio::time::Instant::now() + self.config.shutdown_deadline);
+        let finished = !abandoned
+            && tokio::select! {
+                _ = async { while running.join_next().await.is_some() {} } => true,
+                _ = tokio::time::sleep_until(until) => false,
+                _ = hard_stop.cancelled() => false,
+            };
         if !finished {
             tracing::warn!(
                 running = running.len(),
@@ -438,7 +472,15 @@ impl Engine {
             while running.join_next().await.is_some() {}
         }
         // Every sender is gone once the deliveries are: the completer writes what it has and ends.
-        let _ = completer.await;
+        // The writes of shutdown get a short window of their own, so shutdown ends within the
+        // deadline plus that window even when the database is down or the table is locked: what
+        // is not written by then is left to lease expiry (at least once still holds).
+        let writes_by = tokio::time::Instant::now() + config::SHUTDOWN_WRITE_WINDOW;
+        let mut completer = completer;
+        if tokio::time::timeout_at(writes_by, &mut completer).await.is_err() {
+            tracing::warn!("outcomes still unwritten at the end of shutdown; left to lease expiry");
+            completer.abort();
+        }
         // Handed-over messages that never started go back without using an attempt; deliveries
         // cut off by the deadline (or a hard stop) used theirs: they are retried with backoff, and
         // dead-lettered at max_attempts, so a handler that always hangs cannot live forever
@@ -449,11 +491,16 @@ impl Engine {
             .take_all()
             .into_iter()
             .partition(|l| not_started.contains(&l.id));
-        if !not_started.is_empty() {
-            self.release(&not_started, &*observer).await;
-        }
-        if !interrupted.is_empty() {
-            self.interrupt(&interrupted, &*observer).await;
+        let hand_back = async {
+            if !not_started.is_empty() {
+                self.release(&not_started, &*observer).await;
+            }
+            if !interrupted.is_empty() {
+                self.interrupt(&interrupted, &*observer).await;
+            }
+        };
+        if tokio::time::timeout_at(writes_by, hand_back).await.is_err() {
+            tracing::warn!("could not hand back in-flight messages in time; their leases will expire");
         }
         background.cancel();
         let _ = heartbeat.await;

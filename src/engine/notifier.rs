@@ -18,6 +18,17 @@ use crate::store;
 const WRITERS_FIRST_CHECK: Duration = Duration::from_millis(5);
 const WRITERS_LAST_CHECK: Duration = Duration::from_millis(500);
 
+/// How long the notifier waits for any one answer from the server (a connect, a registration, a
+/// health check) before it calls the connection dead and opens a new one: a connection that went
+/// silent (a NAT that dropped it without a reset) must not hold the notifier.
+pub(crate) const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often an idle notifier checks its connection.
+pub(crate) const HEALTH_CHECK_EVERY: Duration = Duration::from_secs(5);
+
+/// How long a claim loop waits for its registration to be confirmed before it polls instead.
+const ARM_WAIT: Duration = Duration::from_secs(2);
+
 enum Command {
     /// Register as waiting; answers once the registration committed.
     Arm(oneshot::Sender<bool>),
@@ -54,19 +65,19 @@ impl Notifier {
         (handle, task)
     }
 
-    /// Registers as waiting. `false` if not connected: then only polling will find new work.
+    /// Registers as waiting. `false` if not connected, or if the notifier does not confirm within
+    /// [`ARM_WAIT`]: then only polling will find new work. Never waits longer than that: a
+    /// notifier stuck on its connection never holds a claim loop.
     pub(crate) async fn arm(&self) -> bool {
         if !self.connected.load(Ordering::Acquire) {
             return false;
         }
         let (ack, answer) = oneshot::channel();
-        if self.commands.send(Command::Arm(ack)).await.is_err() {
+        // A full queue means the notifier is not taking commands: it is busy or stuck.
+        if self.commands.try_send(Command::Arm(ack)).is_err() {
             return false;
         }
-        matches!(
-            tokio::time::timeout(Duration::from_secs(2), answer).await,
-            Ok(Ok(true))
-        )
+        matches!(tokio::time::timeout(ARM_WAIT, answer).await, Ok(Ok(true)))
     }
 
     /// Unregisters, without waiting.
@@ -96,7 +107,15 @@ async fn run(
         if stop.is_cancelled() {
             return;
         }
-        let mut conn = match connect(&url).await {
+        let connected = tokio::time::timeout(ANSWER_TIMEOUT * 2, connect(&url))
+            .await
+            .unwrap_or_else(|_| {
+                Err(crate::Error::Pool(format!(
+                    "no answer within {:?}",
+                    ANSWER_TIMEOUT * 2
+                )))
+            });
+        let mut conn = match connected {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, retry_in = ?backoff, "notifier cannot connect");
@@ -130,11 +149,13 @@ async fn run(
                     },
                     c = commands.recv() => Event::Command(c),
                     _ = tokio::time::sleep(check_in), if armed && !writers.is_empty() => Event::CheckWriters,
-                    _ = tokio::time::sleep(Duration::from_secs(5)) => Event::HealthCheck,
+                    _ = tokio::time::sleep(HEALTH_CHECK_EVERY) => Event::HealthCheck,
                     _ = stop.cancelled() => Event::Stop,
                 }
             };
-            let result = match event {
+            let closing = matches!(event, Event::Command(None) | Event::Stop);
+            let work = async {
+                match event {
                 Event::Notified => {
                     shared.wake.notify_one();
                     if armed {
@@ -183,11 +204,33 @@ async fn run(
                     if armed {
                         let _ = store::unregister_listener(&mut conn).await;
                     }
-                    shared.connected.store(false, Ordering::Release);
-                    (shared.on_connected)(false);
-                    return;
+                    Err(crate::Error::Pool("stopped".into()))
+                }
                 }
             };
+            // Every exchange with the server is bounded: a silent connection is a lost one.
+            let bounded = async {
+                tokio::time::timeout(ANSWER_TIMEOUT, work)
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(crate::Error::Pool(format!(
+                            "no answer within {ANSWER_TIMEOUT:?}"
+                        )))
+                    })
+            };
+            let result = if closing {
+                bounded.await
+            } else {
+                tokio::select! {
+                    r = bounded => r,
+                    _ = stop.cancelled() => Err(crate::Error::Pool("stopped".into())),
+                }
+            };
+            if closing || stop.is_cancelled() {
+                shared.connected.store(false, Ordering::Release);
+                (shared.on_connected)(false);
+                return;
+            }
             if let Err(e) = result {
                 shared.connected.store(false, Ordering::Release);
                 (shared.on_connected)(false);

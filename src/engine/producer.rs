@@ -563,6 +563,9 @@ pub(crate) async fn deliver_chunk(
         .iter()
         .map(|m| (m.lease(), m.topic.clone(), m.ordered, m.created_at))
         .collect();
+    if chunk.iter().any(|m| m.undecodable.is_some()) {
+        return deliver_decodable(sink, chunk, meta, timeout, observer, health).await;
+    }
     let n = chunk.len();
     let started = Instant::now();
     let result = tokio::time::timeout(
@@ -615,6 +618,48 @@ pub(crate) async fn deliver_chunk(
                 .collect()
         }
     };
+    (meta, kinds)
+}
+
+/// A chunk with rows that could not be read: those are dead-lettered with their reason (never
+/// handed to the sink: a payload it cannot parse would fail the same way on every attempt), the
+/// rest are delivered as usual, and the outcomes come back in the chunk's order.
+async fn deliver_decodable(
+    sink: &Arc<dyn Sink>,
+    chunk: Vec<ClaimedMessage>,
+    meta: Vec<Meta>,
+    timeout: Duration,
+    observer: &dyn Observer,
+    health: &SinkHealth,
+) -> (Vec<Meta>, Vec<SettleKind>) {
+    let mut kinds: Vec<Option<SettleKind>> = Vec::with_capacity(chunk.len());
+    let mut good = Vec::new();
+    for m in chunk {
+        match &m.undecodable {
+            Some(reason) => {
+                tracing::warn!(id = m.id, reason = %reason, "message cannot be read: dead-lettered");
+                kinds.push(Some(SettleKind::Dead {
+                    reason: reason.clone(),
+                }));
+            }
+            None => {
+                kinds.push(None);
+                good.push(m);
+            }
+        }
+    }
+    let mut delivered = if good.is_empty() {
+        Vec::new()
+    } else {
+        Box::pin(deliver_chunk(sink, good, timeout, observer, health))
+            .await
+            .1
+    }
+    .into_iter();
+    let kinds = kinds
+        .into_iter()
+        .map(|k| k.unwrap_or_else(|| delivered.next().expect("one outcome per message")))
+        .collect();
     (meta, kinds)
 }
 

@@ -367,6 +367,7 @@ mod tests {
             lease_token: 1,
             last_error: None,
             dedup_key: None,
+            undecodable: None,
         };
         let h = headers(&m);
         let all: Vec<(String, String)> = h

@@ -5,11 +5,13 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
+use diesel::pg::Pg;
 use diesel::sql_types::{
     Array, BigInt, Bool, Double, Integer, Jsonb, Nullable, SmallInt, Text, Timestamptz,
 };
 use diesel_async::RunQueryDsl;
 
+use super::lenient::{LenientJson, LenientText};
 use super::{Lease, Store};
 use crate::error::{Error, Result};
 use crate::message::MessageId;
@@ -170,41 +172,108 @@ fn split_like(pattern: &str) -> Vec<String> {
 }
 
 /// A message claimed by this process: its content, and the lease that names this claim.
-#[derive(Debug, Clone, PartialEq, QueryableByName)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ClaimedMessage {
-    #[diesel(sql_type = BigInt)]
     pub id: MessageId,
-    #[diesel(sql_type = Text)]
     pub topic: String,
-    #[diesel(sql_type = Nullable<Text>)]
     pub key: Option<String>,
-    #[diesel(sql_type = Bool)]
     pub ordered: bool,
-    #[diesel(sql_type = Jsonb)]
     pub payload: serde_json::Value,
-    #[diesel(sql_type = Jsonb, deserialize_as = JsonHeaders)]
     pub headers: BTreeMap<String, String>,
-    #[diesel(sql_type = SmallInt)]
     pub priority: i16,
-    #[diesel(sql_type = Timestamptz)]
     pub run_at: DateTime<Utc>,
     /// Attempts used, including this one (1 on the first delivery).
-    #[diesel(sql_type = Integer)]
     pub attempts: i32,
-    #[diesel(sql_type = Integer)]
     pub max_attempts: i32,
-    #[diesel(sql_type = Timestamptz)]
     pub created_at: DateTime<Utc>,
     /// The lease ends here unless extended.
-    #[diesel(sql_type = Timestamptz)]
     pub locked_until: DateTime<Utc>,
-    #[diesel(sql_type = BigInt)]
     pub lease_token: i64,
     /// The error of the previous failed attempt, if any.
-    #[diesel(sql_type = Nullable<Text>)]
     pub last_error: Option<String>,
-    #[diesel(sql_type = Nullable<Text>)]
     pub dedup_key: Option<String>,
+    /// Why this row cannot be delivered as read, if it cannot: a payload nested deeper than
+    /// serde_json reads, a topic or key that is not UTF-8 (a `SQL_ASCII` database). The engine
+    /// dead-letters such a message with this reason instead of handing it to a sink; its fields
+    /// hold what could be read (`Null` payload, lossy text).
+    pub undecodable: Option<String>,
+}
+
+/// The row as read, every field that can fail to decode read leniently.
+#[derive(QueryableByName)]
+struct RawClaimed {
+    #[diesel(sql_type = BigInt)]
+    id: MessageId,
+    #[diesel(sql_type = Text)]
+    topic: LenientText,
+    #[diesel(sql_type = Nullable<Text>)]
+    key: Option<LenientText>,
+    #[diesel(sql_type = Bool)]
+    ordered: bool,
+    #[diesel(sql_type = Jsonb)]
+    payload: LenientJson,
+    #[diesel(sql_type = Jsonb)]
+    headers: LenientJson,
+    #[diesel(sql_type = SmallInt)]
+    priority: i16,
+    #[diesel(sql_type = Timestamptz)]
+    run_at: DateTime<Utc>,
+    #[diesel(sql_type = Integer)]
+    attempts: i32,
+    #[diesel(sql_type = Integer)]
+    max_attempts: i32,
+    #[diesel(sql_type = Timestamptz)]
+    created_at: DateTime<Utc>,
+    #[diesel(sql_type = Timestamptz)]
+    locked_until: DateTime<Utc>,
+    #[diesel(sql_type = BigInt)]
+    lease_token: i64,
+    #[diesel(sql_type = Nullable<Text>)]
+    last_error: Option<LenientText>,
+    #[diesel(sql_type = Nullable<Text>)]
+    dedup_key: Option<LenientText>,
+}
+
+impl From<RawClaimed> for ClaimedMessage {
+    fn from(r: RawClaimed) -> Self {
+        let problems: Vec<String> = [
+            r.topic.problem.as_ref().map(|p| format!("topic {p}")),
+            r.key
+                .as_ref()
+                .and_then(|k| k.problem.as_ref())
+                .map(|p| format!("key {p}")),
+            r.payload.problem.as_ref().map(|p| format!("payload {p}")),
+            r.headers.problem.as_ref().map(|p| format!("headers {p}")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        ClaimedMessage {
+            id: r.id,
+            topic: r.topic.value,
+            key: r.key.map(String::from),
+            ordered: r.ordered,
+            payload: r.payload.value,
+            headers: headers_map(r.headers.value),
+            priority: r.priority,
+            run_at: r.run_at,
+            attempts: r.attempts,
+            max_attempts: r.max_attempts,
+            created_at: r.created_at,
+            locked_until: r.locked_until,
+            lease_token: r.lease_token,
+            last_error: r.last_error.map(String::from),
+            dedup_key: r.dedup_key.map(String::from),
+            undecodable: (!problems.is_empty())
+                .then(|| format!("undecodable: {}", problems.join("; "))),
+        }
+    }
+}
+
+impl QueryableByName<Pg> for ClaimedMessage {
+    fn build<'a>(row: &impl diesel::row::NamedRow<'a, Pg>) -> diesel::deserialize::Result<Self> {
+        RawClaimed::build(row).map(ClaimedMessage::from)
+    }
 }
 
 impl ClaimedMessage {
@@ -223,34 +292,16 @@ impl ClaimedMessage {
 }
 
 /// Headers column → string map (the migration's CHECK guarantees string values).
-struct JsonHeaders(serde_json::Value);
-
-impl diesel::deserialize::FromSql<Jsonb, diesel::pg::Pg> for JsonHeaders {
-    fn from_sql(bytes: diesel::pg::PgValue<'_>) -> diesel::deserialize::Result<Self> {
-        <serde_json::Value as diesel::deserialize::FromSql<Jsonb, diesel::pg::Pg>>::from_sql(bytes)
-            .map(JsonHeaders)
-    }
-}
-
-impl diesel::deserialize::Queryable<Jsonb, diesel::pg::Pg> for JsonHeaders {
-    type Row = Self;
-    fn build(row: Self) -> diesel::deserialize::Result<Self> {
-        Ok(row)
-    }
-}
-
-impl From<JsonHeaders> for BTreeMap<String, String> {
-    fn from(h: JsonHeaders) -> Self {
-        match h.0 {
-            serde_json::Value::Object(map) => map
-                .into_iter()
-                .map(|(k, v)| match v {
-                    serde_json::Value::String(s) => (k, s),
-                    other => (k, other.to_string()),
-                })
-                .collect(),
-            _ => BTreeMap::new(),
-        }
+fn headers_map(h: serde_json::Value) -> BTreeMap<String, String> {
+    match h {
+        serde_json::Value::Object(map) => map
+            .into_iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::String(s) => (k, s),
+                other => (k, other.to_string()),
+            })
+            .collect(),
+        _ => BTreeMap::new(),
     }
 }
 

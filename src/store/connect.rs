@@ -12,7 +12,45 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 /// The enqueue, which must be durable, runs in the app's transaction on the app's connection.
 /// Every relay and engine session runs READ COMMITTED whatever the server's or role's default: a
 /// claim under a running limit and an ordered key's promotion must see the commits they waited for.
-const SESSION: &str = "SET synchronous_commit = off; SET application_name = 'postbox'; SET postbox.promotes_heads = 'caller'; SET default_transaction_isolation = 'read committed'";
+/// A statement that runs longer than [`STATEMENT_TIMEOUT`] (a claim waiting on a migration's lock
+/// of the table) is ended by the server, so no engine task waits on one for ever; a timeout the
+/// role, database or URL (`options=-c statement_timeout=…`) sets is kept. In a `SQL_ASCII`
+/// database, text is read as stored (client encoding `SQL_ASCII`): converting it to UTF-8 fails the
+/// whole statement on one row that is not UTF-8, where reading it as bytes lets the store
+/// dead-letter that row alone.
+const SESSION: &str = "SET synchronous_commit = off; SET application_name = 'postbox'; SET postbox.promotes_heads = 'caller'; SET default_transaction_isolation = 'read committed'; SELECT set_config('statement_timeout', '60s', false) WHERE current_setting('statement_timeout') IN ('0', '0ms'); SELECT set_config('client_encoding', 'SQL_ASCII', false) WHERE current_setting('server_encoding') = 'SQL_ASCII'";
+
+/// The server-side limit on one statement of the store's connections, unless the session has one.
+pub const STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Network settings every async connection gets unless its URL sets them: a connect that gets no
+/// answer gives up; a connection whose peer vanished without a reset (a NAT or firewall that
+/// dropped it) is found dead by TCP keepalives while idle, and by the TCP user timeout while data
+/// it sent goes unacknowledged. Seconds, as tokio-postgres reads them.
+const NETWORK_DEFAULTS: [(&str, &str); 5] = [
+    ("connect_timeout", "10"),
+    ("keepalives_idle", "30"),
+    ("keepalives_interval", "10"),
+    ("keepalives_retries", "3"),
+    ("tcp_user_timeout", "60"),
+];
+
+/// `url` with [`NETWORK_DEFAULTS`] for the parameters it does not set (URL form only).
+fn with_network_defaults(url: &str) -> String {
+    let Ok(mut parsed) = url::Url::parse(url) else {
+        return url.to_owned();
+    };
+    let set: Vec<String> = parsed.query_pairs().map(|(k, _)| k.into_owned()).collect();
+    let missing: Vec<_> = NETWORK_DEFAULTS
+        .iter()
+        .filter(|(k, _)| !set.iter().any(|s| s == k))
+        .collect();
+    if missing.is_empty() {
+        return url.to_owned();
+    }
+    parsed.query_pairs_mut().extend_pairs(missing);
+    parsed.into()
+}
 
 /// How the URL asks for TLS (`sslmode`), as libpq means it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,9 +111,32 @@ pub fn tls_mode(url: &str) -> Result<(TlsMode, String), String> {
     Ok((mode, parsed.into()))
 }
 
+/// `url` with `sslmode` from the environment's `PGSSLMODE` (as libpq reads it) when the URL has
+/// none.
+fn with_sslmode_from_env(url: &str) -> String {
+    match std::env::var("PGSSLMODE") {
+        Ok(mode) if !mode.is_empty() => add_sslmode(url, &mode),
+        _ => url.to_owned(),
+    }
+}
+
+fn add_sslmode(url: &str, mode: &str) -> String {
+    let Ok(mut parsed) = url::Url::parse(url) else {
+        return url.to_owned();
+    };
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://"))
+        || parsed.query_pairs().any(|(k, _)| k == "sslmode")
+    {
+        return url.to_owned();
+    }
+    parsed.query_pairs_mut().append_pair("sslmode", mode);
+    parsed.into()
+}
+
 /// Opens one connection, over TLS when the URL's `sslmode` asks for it.
 pub async fn open(url: &str) -> ConnectionResult<AsyncPgConnection> {
-    let (mode, stripped) = tls_mode(url).map_err(ConnectionError::BadConnection)?;
+    let (mode, stripped) = tls_mode(&with_sslmode_from_env(url)).map_err(ConnectionError::BadConnection)?;
+    let stripped = with_network_defaults(&stripped);
     match mode {
         TlsMode::Off => AsyncPgConnection::establish(&stripped).await,
         #[cfg(feature = "tls")]
@@ -282,6 +343,28 @@ mod tls {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn network_defaults_fill_what_the_url_leaves_out() {
+        assert_eq!(
+            with_network_defaults("postgres://h/db?keepalives_idle=5"),
+            "postgres://h/db?keepalives_idle=5&connect_timeout=10&keepalives_interval=10&keepalives_retries=3&tcp_user_timeout=60"
+        );
+        assert_eq!(with_network_defaults("host=h dbname=db"), "host=h dbname=db");
+    }
+
+    #[test]
+    fn pgsslmode_applies_when_the_url_has_no_sslmode() {
+        assert_eq!(
+            add_sslmode("postgres://h/db", "require"),
+            "postgres://h/db?sslmode=require"
+        );
+        assert_eq!(
+            add_sslmode("postgres://h/db?sslmode=disable", "require"),
+            "postgres://h/db?sslmode=disable"
+        );
+        assert_eq!(add_sslmode("host=h", "require"), "host=h");
+    }
 
     #[test]
     fn sslmode_is_read_and_stripped() {

@@ -8,6 +8,7 @@ use diesel::sql_types::{Array, BigInt, Bool, Double, Nullable, Text};
 use diesel_async::RunQueryDsl;
 
 use super::Store;
+use super::lenient::{LenientJson, LenientOptText, LenientText};
 use crate::error::Result;
 use crate::message::MessageId;
 use crate::schema::postbox::dead_letters;
@@ -18,19 +19,29 @@ use crate::schema::postbox::dead_letters;
 pub struct DeadLetter {
     /// Its id while it was live; a replay gives it back.
     pub id: MessageId,
+    #[diesel(deserialize_as = LenientText)]
     pub topic: String,
+    #[diesel(deserialize_as = LenientOptText)]
     pub key: Option<String>,
     pub ordered: bool,
+    /// A payload this process cannot parse (nested deeper than serde_json's 128 levels) is given
+    /// as its JSON text, a string; replay moves the stored value itself.
+    #[diesel(deserialize_as = LenientJson)]
     pub payload: serde_json::Value,
+    #[diesel(deserialize_as = LenientJson)]
     pub headers: serde_json::Value,
     pub priority: i16,
     pub attempts: i32,
     pub max_attempts: i32,
     pub created_at: DateTime<Utc>,
+    #[diesel(deserialize_as = LenientOptText)]
     pub dedup_key: Option<String>,
+    #[diesel(deserialize_as = LenientOptText)]
     pub first_error: Option<String>,
+    #[diesel(deserialize_as = LenientOptText)]
     pub last_error: Option<String>,
     /// Why it died: the permanent error, or attempts exhausted with the last error.
+    #[diesel(deserialize_as = LenientText)]
     pub reason: String,
     pub dead_at: DateTime<Utc>,
 }

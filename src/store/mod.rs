@@ -23,6 +23,8 @@ mod explain;
 #[cfg(feature = "async")]
 mod hold;
 #[cfg(feature = "async")]
+mod lenient;
+#[cfg(feature = "async")]
 mod limit;
 #[cfg(feature = "async")]
 mod listen;

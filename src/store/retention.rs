@@ -10,6 +10,7 @@ use diesel::sql_types::{BigInt, Bool, Double, Integer, Jsonb, Nullable, Text, Ti
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 
 use super::Store;
+use super::lenient::{LenientJson, LenientOptText, LenientText};
 use crate::error::Result;
 use crate::message::MessageId;
 
@@ -94,9 +95,9 @@ struct Found {
     place: String,
     #[diesel(sql_type = BigInt)]
     id: i64,
-    #[diesel(sql_type = Text)]
+    #[diesel(sql_type = Text, deserialize_as = LenientText)]
     topic: String,
-    #[diesel(sql_type = Nullable<Text>)]
+    #[diesel(sql_type = Nullable<Text>, deserialize_as = LenientOptText)]
     key: Option<String>,
     #[diesel(sql_type = Nullable<Text>)]
     state: Option<String>,
@@ -110,11 +111,11 @@ struct Found {
     at: Option<DateTime<Utc>>,
     #[diesel(sql_type = Nullable<Text>)]
     who: Option<String>,
-    #[diesel(sql_type = Nullable<Text>)]
+    #[diesel(sql_type = Nullable<Text>, deserialize_as = LenientOptText)]
     detail: Option<String>,
-    #[diesel(sql_type = Jsonb)]
+    #[diesel(sql_type = Jsonb, deserialize_as = LenientJson)]
     payload: serde_json::Value,
-    #[diesel(sql_type = Jsonb)]
+    #[diesel(sql_type = Jsonb, deserialize_as = LenientJson)]
     headers: serde_json::Value,
 }
 

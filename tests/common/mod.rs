@@ -142,6 +142,23 @@ impl TestDb {
         }
     }
 
+    /// A migrated database with this server encoding (`SQL_ASCII`: text is stored as given, not
+    /// checked to be UTF-8).
+    pub fn migrated_with_encoding(encoding: &str) -> TestDb {
+        let name = Self::fresh_name();
+        diesel::sql_query(format!(
+            "CREATE DATABASE {name} ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
+        ))
+        .execute(&mut admin())
+        .unwrap();
+        let db = TestDb {
+            url: format!("{}/{name}", server_url()),
+            name,
+        };
+        postbox::migrate(&mut db.conn()).unwrap();
+        db
+    }
+
     /// An empty database (for migration tests).
     pub fn empty() -> TestDb {
         let name = Self::fresh_name();
