@@ -132,3 +132,296 @@ async fn a_key_that_is_not_utf8_in_a_sql_ascii_database_is_dead_lettered() {
         assert_eq!(d.key.as_deref(), Some("b\u{FFFD}"));
     }
 }
+
+/// A TCP proxy to the test server that can go silent on the connections that LISTEN (as a NAT
+/// that dropped them without a reset): nothing more is forwarded either way, nothing is closed.
+struct FreezingProxy {
+    port: u16,
+    conns: Arc<Mutex<Vec<Arc<ProxiedConn>>>>,
+}
+
+#[derive(Default)]
+struct ProxiedConn {
+    listener: std::sync::atomic::AtomicBool,
+    frozen: std::sync::atomic::AtomicBool,
+}
+
+impl FreezingProxy {
+    fn start() -> FreezingProxy {
+        use std::io::{Read, Write};
+        use std::sync::atomic::Ordering::SeqCst;
+        let upstream = common::server_url()
+            .rsplit('@')
+            .next()
+            .unwrap()
+            .to_owned();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let conns: Arc<Mutex<Vec<Arc<ProxiedConn>>>> = Default::default();
+        let all = conns.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = std::net::TcpStream::connect(&upstream) else {
+                    continue;
+                };
+                let conn = Arc::new(ProxiedConn::default());
+                all.lock().unwrap().push(conn.clone());
+                for (mut from, mut to, up) in [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap(), true),
+                    (server, client, false),
+                ] {
+                    let conn = conn.clone();
+                    std::thread::spawn(move || {
+                        let mut buf = vec![0u8; 64 * 1024];
+                        loop {
+                            let n = match from.read(&mut buf) {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => n,
+                            };
+                            if up && buf[..n].windows(14).any(|w| w == b"LISTEN postbox") {
+                                conn.listener.store(true, SeqCst);
+                            }
+                            if conn.frozen.load(SeqCst) {
+                                continue; // silent: swallowed, never answered, never closed
+                            }
+                            if to.write_all(&buf[..n]).is_err() {
+                                return;
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        FreezingProxy { port, conns }
+    }
+
+    fn url(&self, db: &TestDb) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{}", self.port, db.name)
+    }
+
+    /// Freezes every connection that has LISTENed so far; returns how many.
+    fn freeze_listeners(&self) -> usize {
+        use std::sync::atomic::Ordering::SeqCst;
+        let conns = self.conns.lock().unwrap();
+        let mut n = 0;
+        for c in conns.iter().filter(|c| c.listener.load(SeqCst)) {
+            c.frozen.store(true, SeqCst);
+            n += 1;
+        }
+        n
+    }
+
+    fn listeners(&self) -> usize {
+        use std::sync::atomic::Ordering::SeqCst;
+        let conns = self.conns.lock().unwrap();
+        conns.iter().filter(|c| c.listener.load(SeqCst)).count()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_listen_connection_never_holds_the_claim_loop_and_is_replaced() {
+    let db = TestDb::migrated();
+    let proxy = FreezingProxy::start();
+    let seen: Seen = Default::default();
+    let engine = Engine::builder(proxy.url(&db))
+        .handlers(recording("t", seen.clone()))
+        .poll_interval(Duration::from_millis(200))
+        .shutdown_deadline(Duration::from_secs(2))
+        .build()
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(engine.run(shutdown.clone()));
+    assert!(eventually(Duration::from_secs(10), || async { proxy.listeners() == 1 }).await);
+    assert_eq!(proxy.freeze_listeners(), 1);
+    // Idle turns, each of which arms the notifier, with messages in between: polling finds them.
+    let mut conn = db.conn();
+    for i in 0..40 {
+        postbox::enqueue(&mut conn, &postbox::Message::new("t").payload(&i)).unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            seen.lock().unwrap().len() == 40
+        })
+        .await,
+        "delivered {} of 40 with the notifier's connection silent",
+        seen.lock().unwrap().len()
+    );
+    // The silent connection is found out and replaced.
+    assert!(
+        eventually(Duration::from_secs(20), || async { proxy.listeners() >= 2 }).await,
+        "the notifier never replaced its silent connection"
+    );
+    let started = std::time::Instant::now();
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(15), task)
+        .await
+        .expect("shutdown hung on the silent connection")
+        .unwrap()
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_once_and_in_key_order(&seen.lock().unwrap(), 40);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_keeps_its_deadline_while_a_claim_waits_on_a_table_lock() {
+    use diesel::connection::SimpleConnection;
+    let db = TestDb::migrated();
+    let seen: Seen = Default::default();
+    let engine = Engine::builder(&db.url)
+        .handlers(recording("t", seen.clone()))
+        .poll_interval(Duration::from_millis(100))
+        .shutdown_deadline(Duration::from_secs(1))
+        .build()
+        .await
+        .unwrap();
+    let (shutdown, hard_stop) = (CancellationToken::new(), CancellationToken::new());
+    let task = tokio::spawn(engine.run_until(shutdown.clone(), hard_stop.clone()));
+    // A migration's ALTER TABLE: the table is locked, and the next claim waits on it.
+    let mut migration = db.conn();
+    migration
+        .batch_execute("BEGIN; LOCK TABLE postbox.messages IN ACCESS EXCLUSIVE MODE")
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            db.scalar(
+                "SELECT count(*) AS v FROM pg_stat_activity
+                 WHERE application_name = 'postbox' AND wait_event_type = 'Lock'",
+            ) > 0
+        })
+        .await,
+        "no claim waited on the lock"
+    );
+    let started = std::time::Instant::now();
+    shutdown.cancel();
+    let hard = hard_stop.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        hard.cancel();
+    });
+    tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("shutdown waited for the lock")
+        .unwrap()
+        .unwrap();
+    let took = started.elapsed();
+    // The deadline (1 s), then at most the window of the last writes (5 s).
+    assert!(took < Duration::from_secs(8), "shutdown took {took:?}");
+    migration.batch_execute("ROLLBACK").unwrap();
+}
+
+/// Delivers every message but the first of key `bad`, which is dead; before it returns that
+/// outcome it takes the key's promotion lock on a connection of its own (a writer of that key
+/// committing, stretched), so the dead-lettering of that flush times out on the lock.
+struct DeadWhileKeyLocked {
+    bad: String,
+    locker: Mutex<diesel::PgConnection>,
+    delivered: Mutex<Vec<i64>>,
+    seen_bad: std::sync::atomic::AtomicBool,
+}
+
+impl postbox::sink::Sink for DeadWhileKeyLocked {
+    fn name(&self) -> &str {
+        "keyed"
+    }
+    fn topics(&self) -> postbox::Topics {
+        postbox::Topics::all()
+    }
+    fn deliver(
+        &self,
+        batch: Vec<postbox::ClaimedMessage>,
+    ) -> futures_util::future::BoxFuture<
+        '_,
+        Result<Vec<postbox::sink::Outcome>, postbox::sink::Unavailable>,
+    > {
+        use diesel::RunQueryDsl;
+        use std::sync::atomic::Ordering::SeqCst;
+        let mut out = Vec::new();
+        for m in &batch {
+            if m.key.as_deref() == Some(self.bad.as_str()) && !self.seen_bad.swap(true, SeqCst) {
+                diesel::sql_query(
+                    "SELECT pg_advisory_lock(1886352245, postbox.key_lock_id('t', $1))",
+                )
+                .bind::<diesel::sql_types::Text, _>(&self.bad)
+                .execute(&mut *self.locker.lock().unwrap())
+                .unwrap();
+                out.push(postbox::sink::Outcome::Dead {
+                    reason: "refused".into(),
+                });
+            } else {
+                self.delivered.lock().unwrap().push(m.id);
+                out.push(postbox::sink::Outcome::Delivered);
+            }
+        }
+        Box::pin(futures_util::future::ready(Ok(out)))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flush_that_fails_in_part_keeps_the_messages_its_hand_over_passed_on() {
+    let db = TestDb::migrated();
+    // Two keys in different lock slots.
+    let bad = (0..100)
+        .map(|i| format!("b{i}"))
+        .find(|k| {
+            db.scalar(&format!(
+                "SELECT (postbox.key_lock_id('t', 'a') <> postbox.key_lock_id('t', '{k}'))::int::bigint AS v"
+            )) == 1
+        })
+        .unwrap();
+    db.exec(&format!(
+        "INSERT INTO postbox.messages (topic, key, ordered, payload)
+         VALUES ('t', 'a', true, '1'), ('t', '{bad}', true, '2'), ('t', 'a', true, '3'), ('t', '{bad}', true, '4')"
+    ));
+    let a2 = db.scalar("SELECT max(id) AS v FROM postbox.messages WHERE key = 'a'");
+    let sink = Arc::new(DeadWhileKeyLocked {
+        bad: bad.clone(),
+        locker: Mutex::new(db.conn()),
+        delivered: Default::default(),
+        seen_bad: Default::default(),
+    });
+    let engine = Engine::builder(&db.url)
+        .sink_arc(sink.clone())
+        .lease(Duration::from_secs(60))
+        // Leased claims, settled by the completer's flush (held batches settle on their own).
+        .hold_limit(Duration::ZERO)
+        .build()
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(engine.run(shutdown.clone()));
+    // The complete of key a's head committed and handed its next message over while the
+    // dead-lettering of the other key's head waits on the lock: that message is delivered now,
+    // not after its lease expires.
+    let handed_over_delivered = eventually(Duration::from_secs(10), || async {
+        sink.delivered.lock().unwrap().contains(&a2)
+    })
+    .await;
+    {
+        use diesel::RunQueryDsl;
+        diesel::sql_query("SELECT pg_advisory_unlock_all()")
+            .execute(&mut *sink.locker.lock().unwrap())
+            .unwrap();
+    }
+    assert!(
+        handed_over_delivered,
+        "the message handed over by a flush that failed in part was forgotten: {:?}",
+        sink.delivered.lock().unwrap()
+    );
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            sink.delivered.lock().unwrap().len() == 3
+                && db.scalar("SELECT count(*) AS v FROM postbox.dead_letters") == 1
+        })
+        .await
+    );
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+    let mut d = sink.delivered.lock().unwrap().clone();
+    d.sort_unstable();
+    d.dedup();
+    assert_eq!(d.len(), 3, "a message was delivered twice");
+}

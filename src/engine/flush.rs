@@ -162,7 +162,10 @@ impl Writer<'_> {
             let Some(e) = error else {
                 break None;
             };
-            tries += 1;
+            // Waiting on a lock (a writer of the key committing) is contention, not refusal.
+            if !is_lock_wait(&e) {
+                tries += 1;
+            }
             if self.hand_over.shutdown().is_cancelled() {
                 let at = *give_up_at.get_or_insert_with(|| Instant::now() + self.shutdown_deadline);
                 if Instant::now() >= at {
@@ -240,6 +243,12 @@ struct Written {
     retry: Option<RetryReport>,
     dead: Option<Settled>,
     release: Option<Settled>,
+}
+
+/// A statement ended by `lock_timeout` or `statement_timeout`: worth trying again as it is.
+fn is_lock_wait(e: &crate::Error) -> bool {
+    let text = e.to_string();
+    text.contains("lock timeout") || text.contains("statement timeout")
 }
 
 /// Keeps a statement's result, or the first error.

@@ -503,18 +503,18 @@ impl Engine {
             tracing::warn!("could not hand back in-flight messages in time; their leases will expire");
         }
         background.cancel();
-        let _ = heartbeat.await;
-        let _ = rescuer.await;
-        let _ = watching.await;
-        let _ = scheduler.await;
-        if let Some(c) = cron {
-            let _ = c.await;
-        }
-        if let Some(r) = retention {
-            let _ = r.await;
-        }
-        if let Some(t) = notifier_task {
-            let _ = t.await;
+        // A background service in a statement (waiting on a lock, or on a silent connection)
+        // does not see the cancel until it ends: it gets the same window, then is dropped.
+        let mut services: Vec<tokio::task::JoinHandle<()>> =
+            vec![heartbeat, rescuer, watching, scheduler];
+        services.extend(cron);
+        services.extend(retention);
+        services.extend(notifier_task);
+        let until = writes_by.max(tokio::time::Instant::now() + Duration::from_secs(1));
+        for mut service in services {
+            if tokio::time::timeout_at(until, &mut service).await.is_err() {
+                service.abort();
+            }
         }
         Ok(self.counters.snapshot())
     }
