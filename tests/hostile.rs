@@ -86,7 +86,9 @@ async fn a_payload_nested_deeper_than_serde_reads_is_dead_lettered_and_its_key_g
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].id, deep);
     assert!(
-        dead[0].reason.contains("payload nested deeper than the 128 levels"),
+        dead[0]
+            .reason
+            .contains("payload nested deeper than the 128 levels"),
         "{}",
         dead[0].reason
     );
@@ -126,7 +128,11 @@ async fn a_key_that_is_not_utf8_in_a_sql_ascii_database_is_dead_lettered() {
     assert_once_and_in_key_order(&seen, 18);
     let store = db.store().await;
     let dead = store.dead_list(None, 10).await.unwrap();
-    assert_eq!(dead.len(), 3, "every message of the unreadable key, in turn");
+    assert_eq!(
+        dead.len(),
+        3,
+        "every message of the unreadable key, in turn"
+    );
     for d in &dead {
         assert!(d.reason.contains("key not UTF-8"), "{}", d.reason);
         assert_eq!(d.key.as_deref(), Some("b\u{FFFD}"));
@@ -150,11 +156,7 @@ impl FreezingProxy {
     fn start() -> FreezingProxy {
         use std::io::{Read, Write};
         use std::sync::atomic::Ordering::SeqCst;
-        let upstream = common::server_url()
-            .rsplit('@')
-            .next()
-            .unwrap()
-            .to_owned();
+        let upstream = common::server_url().rsplit('@').next().unwrap().to_owned();
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let conns: Arc<Mutex<Vec<Arc<ProxiedConn>>>> = Default::default();
@@ -168,7 +170,11 @@ impl FreezingProxy {
                 let conn = Arc::new(ProxiedConn::default());
                 all.lock().unwrap().push(conn.clone());
                 for (mut from, mut to, up) in [
-                    (client.try_clone().unwrap(), server.try_clone().unwrap(), true),
+                    (
+                        client.try_clone().unwrap(),
+                        server.try_clone().unwrap(),
+                        true,
+                    ),
                     (server, client, false),
                 ] {
                     let conn = conn.clone();

@@ -756,3 +756,82 @@ sink = "log"
     std::io::Read::read_to_string(&mut relay.stdout.take().unwrap(), &mut out).unwrap();
     assert_eq!(out.lines().count(), 2, "{out}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_kafka_refuses_is_held_back_while_the_rest_of_its_route_flows_and_nothing_is_sent_twice()
+ {
+    let broker = Broker::start();
+    broker.create_topic("good", 1).await;
+    let db = TestDb::migrated();
+    let p = producer(
+        &broker.brokers(),
+        &properties(&[
+            ("message.timeout.ms", "5000"),
+            // A cluster that does not create topics on a producer's request, as production
+            // clusters are set up; learn fast that one does not exist.
+            ("allow.auto.create.topics", "false"),
+            ("topic.metadata.propagation.max.ms", "100"),
+        ]),
+    )
+    .unwrap();
+    let msgs: Vec<Message> = (0..25)
+        .map(|i| {
+            Message::new(if i % 5 == 0 { "missing" } else { "good" })
+                .payload(&serde_json::json!({ "n": i }))
+                .max_attempts(1)
+        })
+        .collect();
+    postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
+    let engine = Engine::builder(&db.url)
+        .sink(KafkaSink::new(p, Topics::all(), None))
+        .config(EngineConfig {
+            max_unavailable_backoff: Duration::from_secs(1),
+            ..config()
+        })
+        .build()
+        .await
+        .unwrap();
+    let (stop, task, counters) = start(engine);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE topic = 'good'") == 0
+                && counters.snapshot().released >= 5
+        })
+        .await,
+        "{:?}",
+        counters.snapshot()
+    );
+    // Refused, not failed: no attempt used, nothing dead.
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE topic = 'missing' AND attempts = 0 AND state = 'available'"),
+        5
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters"),
+        0
+    );
+    // The operator creates the topic: its messages follow, without a restart.
+    broker.create_topic("missing", 1).await;
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0
+        })
+        .await,
+        "{:?}",
+        counters.snapshot()
+    );
+    stop.cancel();
+    let report = task.await.unwrap().unwrap();
+    assert_eq!(
+        (report.delivered, report.dead_lettered),
+        (25, 0),
+        "{report:?}"
+    );
+    let good = broker.consume_ids("good", 20);
+    assert_eq!(good.len(), 20);
+    assert!(
+        good.values().all(|n| *n == 1),
+        "Kafka got a message of the good topic again: {good:?}"
+    );
+    assert_eq!(broker.consume_ids("missing", 5).len(), 5);
+}

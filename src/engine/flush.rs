@@ -252,7 +252,11 @@ fn is_lock_wait(e: &crate::Error) -> bool {
 }
 
 /// Keeps a statement's result, or the first error.
-fn keep<T>(slot: &mut Option<T>, result: Option<crate::Result<T>>, error: &mut Option<crate::Error>) {
+fn keep<T>(
+    slot: &mut Option<T>,
+    result: Option<crate::Result<T>>,
+    error: &mut Option<crate::Error>,
+) {
     match result {
         Some(Ok(v)) => *slot = Some(v),
         Some(Err(e)) => {

@@ -455,8 +455,8 @@ impl Engine {
         }
 
         // Shutdown: no more claims. Running deliveries get until the deadline.
-        let until = deadline
-            .unwrap_or_else(|| tokio::time::Instant::now() + self.config.shutdown_deadline);
+        let until =
+            deadline.unwrap_or_else(|| tokio::time::Instant::now() + self.config.shutdown_deadline);
         let finished = !abandoned
             && tokio::select! {
                 _ = async { while running.join_next().await.is_some() {} } => true,
@@ -477,7 +477,10 @@ impl Engine {
         // is not written by then is left to lease expiry (at least once still holds).
         let writes_by = tokio::time::Instant::now() + config::SHUTDOWN_WRITE_WINDOW;
         let mut completer = completer;
-        if tokio::time::timeout_at(writes_by, &mut completer).await.is_err() {
+        if tokio::time::timeout_at(writes_by, &mut completer)
+            .await
+            .is_err()
+        {
             tracing::warn!("outcomes still unwritten at the end of shutdown; left to lease expiry");
             completer.abort();
         }
@@ -500,7 +503,9 @@ impl Engine {
             }
         };
         if tokio::time::timeout_at(writes_by, hand_back).await.is_err() {
-            tracing::warn!("could not hand back in-flight messages in time; their leases will expire");
+            tracing::warn!(
+                "could not hand back in-flight messages in time; their leases will expire"
+            );
         }
         background.cancel();
         // A background service in a statement (waiting on a lock, or on a silent connection)

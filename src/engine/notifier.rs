@@ -156,56 +156,56 @@ async fn run(
             let closing = matches!(event, Event::Command(None) | Event::Stop);
             let work = async {
                 match event {
-                Event::Notified => {
-                    shared.wake.notify_one();
-                    if armed {
-                        armed = false;
-                        store::unregister_listener(&mut conn).await
-                    } else {
-                        Ok(())
-                    }
-                }
-                Event::CheckWriters => match store::still_running(&mut conn, &writers).await {
-                    Ok(left) => {
-                        if left.len() < writers.len() {
-                            // A writer ended: if it committed a message, no NOTIFY told us.
-                            shared.wake.notify_one();
+                    Event::Notified => {
+                        shared.wake.notify_one();
+                        if armed {
+                            armed = false;
+                            store::unregister_listener(&mut conn).await
+                        } else {
+                            Ok(())
                         }
-                        writers = left;
-                        check_in = (check_in * 2).min(WRITERS_LAST_CHECK);
-                        Ok(())
                     }
-                    Err(e) => Err(e),
-                },
-                Event::Lost(e) => Err(crate::Error::Pool(e)),
-                Event::Command(Some(Command::Arm(ack))) => {
-                    let r = if armed {
-                        Ok(())
-                    } else {
-                        store::register_listener(&mut conn).await.map(|xids| {
-                            writers = xids;
-                            check_in = WRITERS_FIRST_CHECK;
-                        })
-                    };
-                    armed = r.is_ok();
-                    let _ = ack.send(armed);
-                    r
-                }
-                Event::Command(Some(Command::Disarm)) => {
-                    if armed {
-                        armed = false;
-                        store::unregister_listener(&mut conn).await
-                    } else {
-                        Ok(())
+                    Event::CheckWriters => match store::still_running(&mut conn, &writers).await {
+                        Ok(left) => {
+                            if left.len() < writers.len() {
+                                // A writer ended: if it committed a message, no NOTIFY told us.
+                                shared.wake.notify_one();
+                            }
+                            writers = left;
+                            check_in = (check_in * 2).min(WRITERS_LAST_CHECK);
+                            Ok(())
+                        }
+                        Err(e) => Err(e),
+                    },
+                    Event::Lost(e) => Err(crate::Error::Pool(e)),
+                    Event::Command(Some(Command::Arm(ack))) => {
+                        let r = if armed {
+                            Ok(())
+                        } else {
+                            store::register_listener(&mut conn).await.map(|xids| {
+                                writers = xids;
+                                check_in = WRITERS_FIRST_CHECK;
+                            })
+                        };
+                        armed = r.is_ok();
+                        let _ = ack.send(armed);
+                        r
                     }
-                }
-                Event::HealthCheck => conn.batch_execute("SELECT 1").await.map_err(Into::into),
-                Event::Command(None) | Event::Stop => {
-                    if armed {
-                        let _ = store::unregister_listener(&mut conn).await;
+                    Event::Command(Some(Command::Disarm)) => {
+                        if armed {
+                            armed = false;
+                            store::unregister_listener(&mut conn).await
+                        } else {
+                            Ok(())
+                        }
                     }
-                    Err(crate::Error::Pool("stopped".into()))
-                }
+                    Event::HealthCheck => conn.batch_execute("SELECT 1").await.map_err(Into::into),
+                    Event::Command(None) | Event::Stop => {
+                        if armed {
+                            let _ = store::unregister_listener(&mut conn).await;
+                        }
+                        Err(crate::Error::Pool("stopped".into()))
+                    }
                 }
             };
             // Every exchange with the server is bounded: a silent connection is a lost one.

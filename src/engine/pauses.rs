@@ -42,6 +42,20 @@ impl Claimable {
     }
 }
 
+impl Claimable {
+    /// This, minus `topics` everywhere.
+    pub(crate) fn without(&self, topics: &Topics) -> Claimable {
+        Claimable {
+            unlimited: self.unlimited.clone().excluding(topics),
+            limited: self
+                .limited
+                .iter()
+                .map(|(l, t)| (l.clone(), t.clone().excluding(topics)))
+                .collect(),
+        }
+    }
+}
+
 impl Pauses {
     pub(crate) fn new(served: Topics, limits: Vec<Limit>) -> Self {
         let all = Arc::new(Claimable::new(&served, &[], &limits));

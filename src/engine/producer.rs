@@ -17,7 +17,7 @@ use super::config::{EngineConfig, HOLD_SLOT_WAIT, LINGER_STEP, MAX_HOLDS};
 use super::notifier::Notifier;
 use super::observer::Observer;
 use crate::sink::{Outcome, Sink, Unavailable};
-use crate::store::{ClaimedMessage, Lease, Store};
+use crate::store::{ClaimedMessage, Lease, Store, Topics};
 
 /// In drain mode, the longest wait for the completer before claiming again.
 const DRAIN_POLL: Duration = Duration::from_millis(20);
@@ -140,6 +140,8 @@ pub(crate) struct SinkHealth {
     /// The (routed-to) sink that went down, to report it up again.
     down: Mutex<Option<String>>,
     paused_until: Mutex<Option<Instant>>,
+    /// Topics the sink refused, with the refusals in a row and until when they are held back.
+    topics: Mutex<HashMap<String, (u32, Instant)>>,
     max: Duration,
 }
 
@@ -149,6 +151,7 @@ impl SinkHealth {
             failures: AtomicU32::new(0),
             down: Mutex::new(None),
             paused_until: Mutex::new(None),
+            topics: Mutex::new(HashMap::new()),
             max,
         }
     }
@@ -174,6 +177,38 @@ impl SinkHealth {
             observer.sink_up(sink, true);
             tracing::info!(sink, "sink available again");
         }
+    }
+    /// A topic the sink refused (see [`Outcome::TopicUnavailable`]): not claimed for a while,
+    /// longer each time in a row, up to the outage back-off's cap.
+    fn topic_down(&self, topic: &str, reason: &str) {
+        let mut held = self.topics.lock().expect("health lock");
+        if let Some((_, until)) = held.get(topic) {
+            if *until > Instant::now() {
+                return; // the rest of a batch sent before the topic was held back
+            }
+        }
+        let n = held.get(topic).map_or(0, |(n, _)| *n);
+        let pause = (Duration::from_millis(500) * 2u32.saturating_pow(n.min(20))).min(self.max);
+        held.insert(topic.to_owned(), (n + 1, Instant::now() + pause));
+        tracing::warn!(topic, reason, pause = ?pause, "topic refused by the sink; its messages are handed back and it is not claimed meanwhile");
+    }
+    fn topic_up(&self, topic: &str) {
+        let mut held = self.topics.lock().expect("health lock");
+        if !held.is_empty() && held.remove(topic).is_some() {
+            tracing::info!(topic, "topic accepted by the sink again");
+        }
+    }
+    /// Topics held back now.
+    pub(crate) fn held_topics(&self) -> Vec<String> {
+        let held = self.topics.lock().expect("health lock");
+        if held.is_empty() {
+            return Vec::new();
+        }
+        let now = Instant::now();
+        held.iter()
+            .filter(|(_, (_, until))| *until > now)
+            .map(|(t, _)| t.clone())
+            .collect()
     }
     pub(crate) fn is_paused(&self) -> bool {
         self.paused_until().is_some()
@@ -396,6 +431,13 @@ impl Producer {
         cursor: &mut Cursor,
     ) -> crate::Result<usize> {
         let claimable = self.pauses.topics();
+        // Topics the sink refused lately are left alone meanwhile; the others flow.
+        let held = self.health.held_topics();
+        let claimable = if held.is_empty() {
+            claimable
+        } else {
+            Arc::new(claimable.without(&Topics::exact(held)))
+        };
         // Limited topics first, leased (a hold's messages are not `running`: a limit could not
         // count them), then the rest with the permits left.
         let mut limited = 0;
@@ -588,6 +630,13 @@ pub(crate) async fn deliver_chunk(
     let kinds: Vec<SettleKind> = match result {
         Ok(Ok(outcomes)) if outcomes.len() == n => {
             health.up(observer, sink.name());
+            for ((_, topic, ..), outcome) in meta.iter().zip(&outcomes) {
+                match outcome {
+                    Outcome::TopicUnavailable { reason } => health.topic_down(topic, reason),
+                    Outcome::Delivered => health.topic_up(topic),
+                    _ => {}
+                }
+            }
             outcomes.into_iter().map(SettleKind::from).collect()
         }
         Ok(Ok(outcomes)) => {
@@ -704,7 +753,7 @@ impl From<Outcome> for SettleKind {
                 delay,
             },
             Outcome::Dead { reason } => SettleKind::Dead { reason },
-            Outcome::Release { .. } => SettleKind::Release,
+            Outcome::Release { .. } | Outcome::TopicUnavailable { .. } => SettleKind::Release,
         }
     }
 }

@@ -167,7 +167,8 @@ impl Handlers {
                         Outcome::Delivered => span.set_status(Status::Ok),
                         Outcome::Retry { reason, .. }
                         | Outcome::Dead { reason }
-                        | Outcome::Release { reason } => {
+                        | Outcome::Release { reason }
+                        | Outcome::TopicUnavailable { reason } => {
                             span.set_status(Status::error(reason.clone()))
                         }
                     }

@@ -200,6 +200,10 @@ fn classify(e: &KafkaError, renamed: bool) -> Failure {
     }
 }
 
+fn topic_of(batch: &[ClaimedMessage], i: usize) -> String {
+    batch.get(i).map(|m| m.topic.clone()).unwrap_or_default()
+}
+
 fn headers(m: &ClaimedMessage) -> OwnedHeaders {
     let id = m.id.to_string();
     let created = m.created_at.to_rfc3339();
@@ -295,12 +299,16 @@ impl Sink for KafkaSink {
                 .iter()
                 .filter_map(|r| r.as_ref().err().map(|e| classify(e, renamed)))
                 .collect();
-            if let Some(e) = reports
-                .iter()
-                .filter_map(|r| r.as_ref().err())
-                .find(|e| classify(e, renamed) == Failure::Route)
+            // A route that names its Kafka topic, refused on all of it: the route is down.
+            if renamed
+                && !failures.is_empty()
+                && failures.len() == reports.len()
+                && failures.iter().all(|f| *f == Failure::Route)
             {
-                // The batch goes back whole (its delivered messages will be delivered again).
+                let e = reports
+                    .iter()
+                    .find_map(|r| r.as_ref().err())
+                    .expect("at least one failure");
                 return Err(Unavailable::new(format!(
                     "kafka: the route cannot deliver to its topic: {e}"
                 )));
@@ -317,7 +325,8 @@ impl Sink for KafkaSink {
             }
             Ok(reports
                 .into_iter()
-                .map(|r| match r {
+                .enumerate()
+                .map(|(i, r)| match r {
                     Ok(()) => Outcome::Delivered,
                     Err(e) => match classify(&e, renamed) {
                         Failure::Permanent => Outcome::Dead {
@@ -328,7 +337,15 @@ impl Sink for KafkaSink {
                         Failure::Outage => Outcome::Release {
                             reason: format!("kafka: {e}"),
                         },
-                        Failure::Route | Failure::Transient => Outcome::Retry {
+                        // Kafka refuses this message's topic (missing, not authorized): what
+                        // Kafka stored stays delivered, this topic is held back, the rest flows.
+                        Failure::Route => Outcome::TopicUnavailable {
+                            reason: format!(
+                                "kafka: topic {}: {e}",
+                                self.rename.as_deref().unwrap_or(&topic_of(&batch, i))
+                            ),
+                        },
+                        Failure::Transient => Outcome::Retry {
                             reason: format!("kafka: {e}"),
                             delay: None,
                         },

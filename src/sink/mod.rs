@@ -29,6 +29,13 @@ pub enum Outcome {
     /// Not delivered because the sink is away (a broker outage that failed part of a batch): hand
     /// it back without using an attempt, as a whole batch is when the sink is `Unavailable`.
     Release { reason: String },
+    /// Not delivered because the message's topic cannot take messages now (Kafka refuses it: the
+    /// topic does not exist, or the relay may not write to it). Handed back without using an
+    /// attempt, and the engine stops claiming that topic for a while (backing off as for an
+    /// outage, and trying it again after) while the route's other topics flow: an operator's fix
+    /// (creating the topic, granting the ACL) is picked up without a restart, and nothing is
+    /// dead-lettered meanwhile.
+    TopicUnavailable { reason: String },
 }
 
 /// The sink as a whole cannot deliver right now (broker down). The engine hands the batch back

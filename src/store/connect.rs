@@ -135,7 +135,8 @@ fn add_sslmode(url: &str, mode: &str) -> String {
 
 /// Opens one connection, over TLS when the URL's `sslmode` asks for it.
 pub async fn open(url: &str) -> ConnectionResult<AsyncPgConnection> {
-    let (mode, stripped) = tls_mode(&with_sslmode_from_env(url)).map_err(ConnectionError::BadConnection)?;
+    let (mode, stripped) =
+        tls_mode(&with_sslmode_from_env(url)).map_err(ConnectionError::BadConnection)?;
     let stripped = with_network_defaults(&stripped);
     match mode {
         TlsMode::Off => AsyncPgConnection::establish(&stripped).await,
@@ -350,7 +351,10 @@ mod tests {
             with_network_defaults("postgres://h/db?keepalives_idle=5"),
             "postgres://h/db?keepalives_idle=5&connect_timeout=10&keepalives_interval=10&keepalives_retries=3&tcp_user_timeout=60"
         );
-        assert_eq!(with_network_defaults("host=h dbname=db"), "host=h dbname=db");
+        assert_eq!(
+            with_network_defaults("host=h dbname=db"),
+            "host=h dbname=db"
+        );
     }
 
     #[test]
