@@ -835,3 +835,203 @@ async fn a_topic_kafka_refuses_is_held_back_while_the_rest_of_its_route_flows_an
     );
     assert_eq!(broker.consume_ids("missing", 5).len(), 5);
 }
+
+/// A certificate authority and a broker certificate for 127.0.0.1, made for one test.
+fn test_certificates(dir: &std::path::Path) {
+    let script = r#"
+set -e
+openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=postbox-test-ca
+openssl req -newkey rsa:2048 -nodes -keyout broker.key -out broker.csr -subj /CN=localhost
+printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\n' > ext.cnf
+openssl x509 -req -in broker.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out broker.pem -days 2 -extfile ext.cnf
+openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key -out other-ca.pem -days 2 -subj /CN=someone-else
+"#;
+    let out = Command::new("bash")
+        .args(["-c", script])
+        .current_dir(dir)
+        .output()
+        .expect("openssl (Debian package openssl)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Kills the child on drop.
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kafka_sink_delivers_over_tls_and_refuses_a_broker_it_cannot_verify() {
+    let dir = std::env::temp_dir().join(format!("postbox-kafka-tls-{}", fastrand::u64(..)));
+    std::fs::create_dir_all(&dir).unwrap();
+    test_certificates(&dir);
+    // tansu speaks plain Kafka on one port and advertises the TLS port, where socat terminates
+    // TLS with the broker's certificate: every byte a client sends goes through TLS.
+    let (plain, tls) = (free_port(), free_port());
+    let tansu = Killed(
+        Command::new(tansu_bin())
+            .args([
+                "broker",
+                "--listener-url",
+                &format!("tcp://127.0.0.1:{plain}"),
+                "--advertised-listener-url",
+                &format!("tcp://127.0.0.1:{tls}"),
+                "--storage-engine",
+                "memory://tansu/",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start tansu"),
+    );
+    let terminator = Killed(
+        Command::new("socat")
+            .arg(format!(
+                "OPENSSL-LISTEN:{tls},bind=127.0.0.1,reuseaddr,fork,verify=0,cert={},key={}",
+                dir.join("broker.pem").display(),
+                dir.join("broker.key").display()
+            ))
+            .arg(format!("TCP:127.0.0.1:{plain}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("socat (Debian package socat)"),
+    );
+    for port in [plain, tls] {
+        let end = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < end, "nothing listens on {port}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let ca = dir.join("ca.pem").display().to_string();
+    let brokers = format!("127.0.0.1:{tls}");
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("security.protocol", "ssl")
+        .set("ssl.ca.location", &ca)
+        .create()
+        .unwrap();
+    for t in admin
+        .create_topics(
+            &[NewTopic::new("secure", 1, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap()
+    {
+        t.unwrap();
+    }
+    let db = TestDb::migrated();
+    let msgs: Vec<Message> = (0..10)
+        .map(|i| Message::new("secure").payload(&i))
+        .collect();
+    postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
+
+    // A CA that did not sign the broker's certificate: nothing is sent, no attempt is used.
+    let untrusted = producer(
+        &brokers,
+        &properties(&[
+            ("security.protocol", "ssl"),
+            (
+                "ssl.ca.location",
+                &dir.join("other-ca.pem").display().to_string(),
+            ),
+            ("message.timeout.ms", "3000"),
+        ]),
+    )
+    .unwrap();
+    let engine = Engine::builder(&db.url)
+        .sink(KafkaSink::new(untrusted, Topics::all(), None))
+        .config(config())
+        .build()
+        .await
+        .unwrap();
+    let (stop, task, counters) = start(engine);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            counters.snapshot().released >= 10
+        })
+        .await,
+        "{:?}",
+        counters.snapshot()
+    );
+    stop.cancel();
+    let report = task.await.unwrap().unwrap();
+    assert_eq!(
+        report.delivered, 0,
+        "delivered to a broker it could not verify"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE attempts = 0"),
+        10
+    );
+
+    // The broker's CA: delivered over TLS.
+    let trusted = producer(
+        &brokers,
+        &properties(&[("security.protocol", "ssl"), ("ssl.ca.location", &ca)]),
+    )
+    .unwrap();
+    let engine = Engine::builder(&db.url)
+        .sink(KafkaSink::new(trusted, Topics::all(), None))
+        .config(config())
+        .build()
+        .await
+        .unwrap();
+    let (stop, task, counters) = start(engine);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            counters.snapshot().delivered == 10
+        })
+        .await,
+        "{:?}",
+        counters.snapshot()
+    );
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+    drop((terminator, tansu));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_kafka_sink_is_built_with_tls_and_sasl_scram_and_oauthbearer() {
+    for (protocol, mechanism) in [
+        ("sasl_ssl", "SCRAM-SHA-512"),
+        ("sasl_ssl", "SCRAM-SHA-256"),
+        ("sasl_ssl", "OAUTHBEARER"),
+        ("ssl", "PLAIN"),
+    ] {
+        let mut props = vec![
+            ("security.protocol", protocol),
+            ("sasl.mechanism", mechanism),
+            ("sasl.username", "relay"),
+            ("sasl.password", "secret"),
+        ];
+        if mechanism == "OAUTHBEARER" {
+            props.truncate(2);
+            props.push(("sasl.oauthbearer.config", "principal=relay"));
+            props.push(("enable.sasl.oauthbearer.unsecure.jwt", "true"));
+        }
+        if let Err(e) = producer("127.0.0.1:1", &properties(&props)) {
+            panic!("{protocol} with {mechanism}: {e}");
+        }
+    }
+}
