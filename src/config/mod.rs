@@ -16,7 +16,7 @@ mod redact;
 pub use durations::parse_duration;
 use durations::{duration_map, opt_duration};
 pub use jobs::{LimitSection, RetentionSection, ScheduleSection};
-pub use redact::{is_secret, redact_url};
+pub use redact::{is_secret, redact_url, redact_values};
 
 /// The database a relay uses when none is configured.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@localhost/postbox";

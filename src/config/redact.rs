@@ -21,15 +21,15 @@ pub fn is_secret(key: &str) -> bool {
     .any(|s| k.contains(s))
 }
 
-/// The URL with its password (and any `password=` parameter) replaced by `<redacted>`.
+/// The URL (or `key=value` connection string) with its password and every password parameter
+/// replaced by `<redacted>`. The user info is taken up to the last `@`, so a password holding `?`,
+/// `/` or `@` is hidden whole; parameter names are compared percent-decoded (`pass%77ord=`), and
+/// every one is redacted, not only the first. Errs on the side of hiding.
 pub fn redact_url(url: &str) -> String {
     let mut out = url.to_owned();
     if let Some(scheme_end) = out.find("://") {
         let rest_start = scheme_end + 3;
-        let authority_end = out[rest_start..]
-            .find(['/', '?'])
-            .map_or(out.len(), |i| rest_start + i);
-        if let Some(at) = out[rest_start..authority_end].rfind('@') {
+        if let Some(at) = out[rest_start..].rfind('@') {
             let userinfo = &out[rest_start..rest_start + at];
             if let Some(colon) = userinfo.find(':') {
                 let start = rest_start + colon + 1;
@@ -37,9 +37,71 @@ pub fn redact_url(url: &str) -> String {
             }
         }
     }
-    if let Some(q) = out.find("password=") {
-        let end = out[q..].find('&').map_or(out.len(), |i| q + i);
-        out.replace_range(q + "password=".len()..end, "<redacted>");
+    redact_params(&out)
+}
+
+/// Every `…password…=value` parameter of a query or connection string, value redacted.
+fn redact_params(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut segment = String::new();
+    for c in s.chars() {
+        if matches!(c, '&' | '?' | ' ' | ';') {
+            out.push_str(&redact_segment(&segment));
+            out.push(c);
+            segment.clear();
+        } else {
+            segment.push(c);
+        }
+    }
+    out.push_str(&redact_segment(&segment));
+    out
+}
+
+fn redact_segment(segment: &str) -> String {
+    match segment.split_once('=') {
+        Some((key, _))
+            if percent_decoded(key)
+                .to_ascii_lowercase()
+                .contains("password") =>
+        {
+            format!("{key}=<redacted>")
+        }
+        _ => segment.to_owned(),
+    }
+}
+
+fn percent_decoded(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let Some(b) = std::str::from_utf8(&bytes[i + 1..i + 3])
+                .ok()
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+            {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// `text` with the value of every secret property of `properties` replaced by `<redacted>` (an
+/// error of librdkafka that quotes the value it refused).
+pub fn redact_values<'a>(
+    text: &str,
+    properties: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> String {
+    let mut out = text.to_owned();
+    for (k, v) in properties {
+        if is_secret(k) && !v.is_empty() {
+            out = out.replace(v.as_str(), "<redacted>");
+        }
     }
     out
 }
@@ -91,5 +153,61 @@ impl Settings {
             limits: self.limits.clone(),
         };
         toml::to_string(&file).expect("the configuration serializes")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_password_in_a_url_is_hidden() {
+        for (url, shown) in [
+            (
+                "postgres://app:pa?ss@db:5432/x",
+                "postgres://app:<redacted>@db:5432/x",
+            ),
+            (
+                "postgres://app:pa/ss@db/x",
+                "postgres://app:<redacted>@db/x",
+            ),
+            ("postgres://app:p@ss@db/x", "postgres://app:<redacted>@db/x"),
+            (
+                "postgres://db/x?user=a&password=s1&x=1&password=s2",
+                "postgres://db/x?user=a&password=<redacted>&x=1&password=<redacted>",
+            ),
+            (
+                "postgres://db/x?pass%77ord=s1",
+                "postgres://db/x?pass%77ord=<redacted>",
+            ),
+            (
+                "postgres://db/x?sslpassword=s1",
+                "postgres://db/x?sslpassword=<redacted>",
+            ),
+            (
+                "host=db password=s1 user=a",
+                "host=db password=<redacted> user=a",
+            ),
+            ("postgres://app@db/x", "postgres://app@db/x"),
+        ] {
+            assert_eq!(redact_url(url), shown, "{url}");
+        }
+    }
+
+    #[test]
+    fn secret_values_are_hidden_in_errors() {
+        let props: std::collections::BTreeMap<String, String> = [
+            ("ssl.keystore.password", "KSPW"),
+            ("sasl.oauthbearer.client.secret", "CS"),
+            ("ssl.key.password", "KP"),
+            ("client.id", "relay"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        assert_eq!(
+            redact_values("bad ssl.keystore.password KSPW, KP and CS; relay", &props),
+            "bad ssl.keystore.password <redacted>, <redacted> and <redacted>; relay"
+        );
     }
 }

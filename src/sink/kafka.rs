@@ -116,7 +116,13 @@ pub fn producer(
     }
     let first = config
         .create_with_context::<_, QuietProducer>(QuietContext::default())
-        .map_err(|e| format!("sinks.kafka: cannot create the producer: {e}"))?;
+        .map_err(|e| {
+            // librdkafka quotes the value of a property it refuses: never a secret's.
+            crate::config::redact_values(
+                &format!("sinks.kafka: cannot create the producer: {e}"),
+                properties,
+            )
+        })?;
     Ok(Arc::new(SharedProducer {
         config,
         current: std::sync::Mutex::new(Arc::new(first)),
