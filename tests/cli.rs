@@ -988,3 +988,53 @@ fn check_exits_1_naming_a_stranded_key_and_0_once_it_is_repaired() {
     let ok = postbox(&["--database-url", &db.url, "check", "--json"]);
     assert_eq!(ok.status.code(), Some(0), "{}", text(&ok.stderr));
 }
+
+#[test]
+fn a_reader_of_stdout_that_stalls_never_stops_health_or_shutdown() {
+    let db = TestDb::migrated();
+    // Far more than a pipe holds: the log sink's writes block once the pipe is full.
+    db.exec(
+        "INSERT INTO postbox.messages (topic, payload)
+         SELECT 'loud', to_jsonb(repeat('x', 1000)) FROM generate_series(1, 3000)",
+    );
+    let port = free_port();
+    let mut relay = hermetic(BIN)
+        .args(["--database-url", &db.url, "run"])
+        .env("POSTBOX_METRICS_LISTEN", format!("127.0.0.1:{port}"))
+        .env("POSTBOX_POLL_INTERVAL", "200ms")
+        .env("POSTBOX_SHUTDOWN_DEADLINE", "2s")
+        .stdout(Stdio::piped()) // never read
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(wait_for(Duration::from_secs(20), || get(port, "/healthz")
+        .is_some_and(|(c, _)| c == 200)));
+    // The first batch fills the pipe; the log sink reports itself down (its write is stuck)
+    // while the relay keeps answering.
+    assert!(
+        wait_for(Duration::from_secs(30), || get(port, "/metrics")
+            .is_some_and(
+                |(_, body)| body.contains("postbox_sink_up{sink=\"log\"} 0")
+            )),
+        "the log sink never reported the stalled stdout"
+    );
+    for _ in 0..5 {
+        let answer = get(port, "/healthz");
+        assert!(
+            answer.as_ref().is_some_and(|(c, _)| *c == 200),
+            "/healthz did not answer with stdout stalled: {answer:?}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let stopped = Instant::now();
+    let status = terminate(&mut relay);
+    assert!(status.success(), "{status:?}");
+    assert!(stopped.elapsed() < Duration::from_secs(15));
+    // What was not written is still there, no attempt used by the stall.
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.messages WHERE attempts > 0 AND state = 'available'"
+        ),
+        0
+    );
+}

@@ -292,9 +292,14 @@ impl Producer {
         let mut armed = false;
         let mut db_pause = Duration::from_millis(100);
         let mut cursor = Cursor::new();
+        // Claims that keep failing on a statement (not on reaching the database) are a stuck
+        // engine, not a busy one: the loop goes round but does no work, and liveness must say so.
+        let mut claims_failing = false;
         loop {
             while tasks.try_join_next().is_some() {}
-            self.observer.alive(self.sink.name());
+            if !claims_failing {
+                self.observer.alive(self.sink.name());
+            }
             if self.shutdown.is_cancelled() {
                 return tasks;
             }
@@ -336,10 +341,12 @@ impl Producer {
             {
                 Ok(got) => {
                     db_pause = Duration::from_millis(100);
+                    claims_failing = false;
                     got
                 }
                 Err(e) => {
                     drop(reserved);
+                    claims_failing = !matches!(e, crate::Error::Pool(_));
                     tracing::warn!(error = %e, retry_in = ?db_pause, "claim failed");
                     tokio::select! {
                         _ = tokio::time::sleep(db_pause) => {}

@@ -1,7 +1,11 @@
 //! The log sink: one JSON line per message on standard output (id, topic, key, headers, payload).
 //! The relay's own logs go to standard error, so standard output carries only messages.
 
-use std::io::Write;
+use std::io::Write as _;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
 
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
@@ -9,26 +13,87 @@ use futures_util::future::BoxFuture;
 use super::{Outcome, Sink, Unavailable};
 use crate::store::{ClaimedMessage, Topics};
 
-/// Writes messages to standard output; a write error (closed pipe) makes the sink unavailable.
-#[derive(Debug, Clone)]
+/// Writes messages to standard output from a thread of its own: a reader of standard output that
+/// stalls (a full pipe) blocks that thread, never the runtime's workers (delivery timeouts,
+/// heartbeats, health and shutdown go on). While a write is stuck the sink is unavailable: batches
+/// go back without using attempts. A write error (closed pipe) makes it unavailable too.
+#[derive(Clone)]
 pub struct LogSink {
     topics: Topics,
+    writer: Arc<Writer>,
 }
+
+impl std::fmt::Debug for LogSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LogSink")
+            .field("topics", &self.topics)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One batch's text and where to answer.
+type Write = (String, oneshot::Sender<std::io::Result<()>>);
+
+struct Writer {
+    /// Room for one batch: a second one while the first is still being written is refused.
+    tx: std::sync::mpsc::SyncSender<Write>,
+}
+
+/// How long a batch waits for standard output before the sink calls itself unavailable.
+const STDOUT_STALL: Duration = Duration::from_secs(5);
 
 impl LogSink {
     /// A log sink for `topics`.
     pub fn new(topics: Topics) -> Self {
-        LogSink { topics }
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Write>(1);
+        std::thread::Builder::new()
+            .name("postbox-log-sink".into())
+            .spawn(move || {
+                for (text, answer) in rx {
+                    let mut out = std::io::stdout().lock();
+                    let r = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+                    let _ = answer.send(r);
+                }
+            })
+            .expect("spawn the log sink's writer thread");
+        LogSink {
+            topics,
+            writer: Arc::new(Writer { tx }),
+        }
     }
 }
 
-/// One message as a JSON line.
+/// Header names whose values are credentials: printed as `<redacted>`.
+fn is_secret_header(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    n == "authorization"
+        || n == "proxy-authorization"
+        || n == "cookie"
+        || n == "set-cookie"
+        || ["token", "secret", "password", "api-key", "apikey"]
+            .iter()
+            .any(|s| n.contains(s))
+}
+
+/// One message as a JSON line (credential headers redacted).
 pub fn line(m: &ClaimedMessage) -> String {
+    let headers: serde_json::Map<String, serde_json::Value> = m
+        .headers
+        .iter()
+        .map(|(k, v)| {
+            let v = if is_secret_header(k) {
+                "<redacted>"
+            } else {
+                v.as_str()
+            };
+            (k.clone(), serde_json::Value::from(v))
+        })
+        .collect();
     serde_json::json!({
         "id": m.id,
         "topic": m.topic,
         "key": m.key,
-        "headers": m.headers,
+        "headers": headers,
         "payload": m.payload,
     })
     .to_string()
@@ -53,12 +118,56 @@ impl Sink for LogSink {
                 text.push_str(&line(m));
                 text.push('\n');
             }
-            let mut out = std::io::stdout().lock();
-            out.write_all(text.as_bytes())
-                .and_then(|_| out.flush())
-                .map_err(|e| Unavailable::new(format!("standard output: {e}")))?;
-            Ok(vec![Outcome::Delivered; batch.len()])
+            let (answer, written) = oneshot::channel();
+            self.writer.tx.try_send((text, answer)).map_err(|_| {
+                Unavailable::new("standard output: the previous batch is still being written (is anything reading it?)")
+            })?;
+            match tokio::time::timeout(STDOUT_STALL, written).await {
+                Ok(Ok(Ok(()))) => Ok(vec![Outcome::Delivered; batch.len()]),
+                Ok(Ok(Err(e))) => Err(Unavailable::new(format!("standard output: {e}"))),
+                Ok(Err(_)) => Err(Unavailable::new("standard output: the writer thread ended")),
+                Err(_) => Err(Unavailable::new(format!(
+                    "standard output: not read for {STDOUT_STALL:?}"
+                ))),
+            }
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn credential_headers_are_not_printed() {
+        let now = chrono::Utc::now();
+        let m = crate::store::ClaimedMessage {
+            id: 1,
+            topic: "t".into(),
+            key: None,
+            ordered: false,
+            payload: serde_json::Value::Null,
+            headers: [
+                ("Authorization", "Bearer abc"),
+                ("x-api-token", "t"),
+                ("trace", "x"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+            priority: 0,
+            run_at: now,
+            attempts: 1,
+            max_attempts: 1,
+            created_at: now,
+            locked_until: now,
+            lease_token: 1,
+            last_error: None,
+            dedup_key: None,
+            undecodable: None,
+        };
+        let l = super::line(&m);
+        assert!(!l.contains("abc"), "{l}");
+        assert!(l.contains(r#""x-api-token":"<redacted>""#), "{l}");
+        assert!(l.contains(r#""trace":"x""#), "{l}");
     }
 }
