@@ -507,6 +507,11 @@ impl Engine {
                 "could not hand back in-flight messages in time; their leases will expire"
             );
         }
+        // Holds that ended without a commit (this process's, cut off by the deadline, or another
+        // relay's that exited): counted now rather than on some relay's next rescue tick.
+        if let Ok(Err(e)) = tokio::time::timeout_at(writes_by, self.store.lost_holds()).await {
+            tracing::debug!(error = %e, "could not look for lost holds at shutdown");
+        }
         background.cancel();
         // A background service in a statement (waiting on a lock, or on a silent connection)
         // does not see the cancel until it ends: it gets the same window, then is dropped.
