@@ -47,8 +47,7 @@ async fn run_until(db: &TestDb, delivered: usize, dead: i64) -> Vec<(i64, Option
         counters.snapshot(),
         db.scalar("SELECT count(*) AS v FROM postbox.dead_letters")
     );
-    let seen = seen.lock().unwrap().clone();
-    seen
+    seen.lock().unwrap().clone()
 }
 
 fn assert_once_and_in_key_order(seen: &[(i64, Option<String>)], n: usize) {
