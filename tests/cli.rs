@@ -1038,3 +1038,50 @@ fn a_reader_of_stdout_that_stalls_never_stops_health_or_shutdown() {
         0
     );
 }
+
+#[test]
+fn the_http_listener_cuts_off_slow_clients_and_bounds_its_connections() {
+    let db = TestDb::migrated();
+    let port = free_port();
+    let mut relay = spawn_relay(&db.url, port);
+    assert!(wait_for(Duration::from_secs(20), || get(port, "/healthz")
+        .is_some_and(|(c, _)| c == 200)));
+    // A client that never finishes its headers is cut off (HEADER_TIMEOUT is 5 s).
+    let mut slow = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    slow.set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    let started = Instant::now();
+    let mut buf = [0u8; 256];
+    // Closed (or answered, then closed) rather than left waiting: the read ends before its
+    // own 15 s timeout.
+    let closed = slow.read(&mut buf).is_ok();
+    assert!(
+        closed && started.elapsed() < Duration::from_secs(10),
+        "a connection with partial headers stayed open {:?}",
+        started.elapsed()
+    );
+    // Many idle connections: the relay holds at most MAX_CONNECTIONS (128) of them, the rest
+    // wait in the backlog, and health answers once the idle ones are cut off.
+    let idle: Vec<std::net::TcpStream> = (0..400)
+        .filter_map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).ok())
+        .collect();
+    assert!(
+        idle.len() >= 300,
+        "could open only {} connections",
+        idle.len()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let fds = std::fs::read_dir(format!("/proc/{}/fd", relay.id()))
+        .unwrap()
+        .count();
+    assert!(fds < 128 + 64, "the relay holds {fds} descriptors");
+    assert!(
+        wait_for(Duration::from_secs(30), || get(port, "/healthz")
+            .is_some_and(|(c, _)| c == 200)),
+        "/healthz did not answer behind idle connections"
+    );
+    drop(idle);
+    assert!(terminate(&mut relay).success());
+}

@@ -1,7 +1,9 @@
 //! `/metrics`, `/healthz` and `/readyz`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use super::{RelayError, Result};
@@ -60,9 +62,64 @@ pub async fn serve_metrics(
                 }
             }),
         );
-    Ok(tokio::spawn(async move {
-        let _ = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await;
-    }))
+    Ok(tokio::spawn(serve(listener, app, stop)))
+}
+
+/// Connections served at once: past this, new ones wait in the kernel's backlog until one ends,
+/// so idle or slow clients cannot take every file descriptor of the process.
+pub const MAX_CONNECTIONS: usize = 128;
+
+/// A client must send a request's headers within this long (a slow or silent client is cut off).
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The longest one connection is served (keep-alive included): a scraper reconnects, a client
+/// that holds a connection open for nothing lets it go.
+pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
+
+/// Accepts and serves connections (HTTP/1.1) until `stop`, within [`MAX_CONNECTIONS`],
+/// [`HEADER_TIMEOUT`] and [`CONNECTION_LIFETIME`].
+async fn serve(listener: tokio::net::TcpListener, app: axum::Router, stop: CancellationToken) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        while connections.try_join_next().is_some() {}
+        let slot = tokio::select! {
+            s = slots.clone().acquire_owned() => s.expect("the semaphore is never closed"),
+            _ = stop.cancelled() => break,
+        };
+        let stream = tokio::select! {
+            a = listener.accept() => match a {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of descriptors, or a connection reset before it was accepted.
+                    tracing::warn!(error = %e, "metrics listener: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = stop.cancelled() => break,
+        };
+        let service = TowerToHyperService::new(app.clone());
+        let stop = stop.clone();
+        connections.spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), service);
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = tokio::time::sleep(CONNECTION_LIFETIME) => {}
+                _ = stop.cancelled() => {
+                    // Let a request in progress finish, briefly.
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(Duration::from_secs(1), conn).await;
+                }
+            }
+            drop(slot);
+        });
+    }
+    connections.shutdown().await;
 }
