@@ -64,3 +64,24 @@ for field in config.relay.batchSize config.relay.lease config.routes.0.sink imag
   grep -q "$field" <<<"$out" || { echo "schema error does not name $field:" >&2; echo "$out" >&2; exit 1; }
 done
 echo "schema refuses bad values: ok"
+
+# A credential among the ConfigMap's Kafka properties is refused, naming it.
+if out=$("$helm" template postbox "$chart" -f "$chart/ci/minimal-values.yaml" \
+    --set config.kafka.enabled=true --set config.kafka.brokers=k:9092 \
+    --set config.kafka.properties.sasl\\.password=hunter2 2>&1); then
+  echo "the chart put sasl.password into its ConfigMap" >&2
+  exit 1
+fi
+grep -q "config.kafka.properties.sasl.password" <<<"$out" || { echo "the refusal does not name the property:" >&2; echo "$out" >&2; exit 1; }
+echo "credentials refused in the ConfigMap: ok"
+
+# The database URL (with its password) is nowhere in the pods' annotations, not even hashed.
+url=$(sed -n 's/^  url: *//p' "$chart/ci/minimal-values.yaml")
+plain_hash=$(printf '%s' "$url" | sha256sum | cut -d' ' -f1)
+rendered=$("$helm" template postbox "$chart" -f "$chart/ci/minimal-values.yaml")
+if grep -q "$plain_hash" <<<"$rendered"; then
+  echo "a pod annotation is the plain hash of the database URL" >&2
+  exit 1
+fi
+echo "no plain hash of the database URL: ok"
+

@@ -107,6 +107,9 @@ brokers = {{ .Values.config.kafka.brokers | quote }}
 
 [sinks.kafka.properties]
 {{- range $k, $v := .Values.config.kafka.properties }}
+{{- if regexMatch "(?i)(password|secret|sasl\\.jaas|sasl\\.oauthbearer\\.config|ssl\\.key\\.pem|ssl_key|token)" $k }}
+{{- fail (printf "config.kafka.properties.%s: a credential does not belong in the ConfigMap; set it in config.kafka.secretProperties (a Secret)" $k) }}
+{{- end }}
 {{ $k | quote }} = {{ $v | toString | quote }}
 {{- end }}
 {{- end }}
@@ -146,3 +149,17 @@ max_running = {{ .maxRunning | int }}
 per_key = {{ .perKey | default false }}
 {{- end }}
 {{- end }}
+
+{{/*
+The salt of the database Secret's checksum annotation: random once, then kept in the Secret
+(read back with lookup on upgrades), so the annotation changes when the URL does without being a
+plain hash of it (a hash of a password is a way to guess it).
+*/}}
+{{- define "postbox.checksumSalt" -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "postbox.fullname" .) -}}
+{{- if and $existing $existing.data (hasKey $existing.data "checksum-salt") -}}
+{{- index $existing.data "checksum-salt" | b64dec -}}
+{{- else -}}
+{{- randAlphaNum 32 -}}
+{{- end -}}
+{{- end -}}
