@@ -1085,3 +1085,23 @@ fn the_http_listener_cuts_off_slow_clients_and_bounds_its_connections() {
     drop(idle);
     assert!(terminate(&mut relay).success());
 }
+
+#[test]
+fn status_shows_control_characters_escaped_never_raw() {
+    let db = TestDb::migrated();
+    db.exec(
+        "INSERT INTO postbox.messages (topic, key, ordered, payload)
+         VALUES (E'evil\\x1b[2J\\x1b]0;owned\\x07', E'k\\x1b[31m', true, '1')",
+    );
+    let out = postbox(&["--database-url", &db.url, "status"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let shown = text(&out.stdout);
+    assert!(
+        !shown.contains('\u{1b}') && !shown.contains('\u{7}'),
+        "{shown:?}"
+    );
+    assert!(
+        shown.contains(r"evil\u{1b}[2J\u{1b}]0;owned\u{7}"),
+        "{shown}"
+    );
+}

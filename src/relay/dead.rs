@@ -91,12 +91,12 @@ pub async fn run(settings: &Settings, command: DeadCommand) -> Result<()> {
                     println!(
                         "#{} {} key={} attempts={}/{} dead_at={} reason: {}",
                         d.id,
-                        d.topic,
-                        d.key.as_deref().unwrap_or("-"),
+                        super::printable(&d.topic),
+                        super::printable(d.key.as_deref().unwrap_or("-")),
                         d.attempts,
                         d.max_attempts,
                         d.dead_at.to_rfc3339(),
-                        d.reason
+                        super::printable(&d.reason)
                     );
                 }
                 eprintln!("{} dead letter(s)", dead.len());

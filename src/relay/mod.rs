@@ -65,6 +65,25 @@ impl From<Error> for RelayError {
 
 type Result<T> = std::result::Result<T, RelayError>;
 
+/// Text from the database for a terminal: control characters (an escape sequence in a key or an
+/// error would repaint the operator's terminal) are shown escaped, `\u{1b}`.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    std::borrow::Cow::Owned(
+        text.chars()
+            .map(|c| {
+                if c.is_control() {
+                    c.escape_unicode().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect(),
+    )
+}
+
 /// Splits `postgres://host/db?x` into the server URL (database `postgres`) and the name `db`.
 fn admin_url(url: &str) -> Option<(String, String)> {
     let (base, query) = url

@@ -36,7 +36,7 @@ pub async fn run(settings: &Settings, id: i64, json: bool) -> Result<()> {
             sink, delivered_at, ..
         } => format!("delivered by the {sink} sink at {delivered_at}"),
     };
-    println!("message {id}: {headline}");
+    println!("message {id}: {}", super::printable(&headline));
     if let serde_json::Value::Object(fields) = value {
         for (k, v) in fields.iter().filter(|(k, _)| *k != "status" && *k != "id") {
             let v = match v {
@@ -44,7 +44,7 @@ pub async fn run(settings: &Settings, id: i64, json: bool) -> Result<()> {
                 serde_json::Value::Null => "-".to_owned(),
                 other => other.to_string(),
             };
-            println!("  {k:<13} {v}");
+            println!("  {k:<13} {}", super::printable(&v));
         }
     }
     Ok(())

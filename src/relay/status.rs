@@ -1,5 +1,6 @@
 //! `postbox status`: depth per topic and state, oldest pending age, dead letters, stalled keys.
 
+use super::printable;
 use super::{RelayError, Result};
 use crate::config::Settings;
 
@@ -66,7 +67,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
             let n = |v: i64| format!("{approx}{v}");
             println!(
                 "{:<32} {:>10} {:>10} {:>10} {:>10} {:>10} {:>14} {:>7}",
-                t.topic,
+                printable(&t.topic),
                 n(t.available),
                 n(t.scheduled),
                 t.running,
@@ -86,7 +87,7 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
         if paused.is_empty() {
             println!("paused: none");
         } else {
-            println!("paused: {}", paused.join(", "));
+            println!("paused: {}", printable(&paused.join(", ")));
         }
         print_schedules(&schedules);
         print_limits(&limits);
@@ -107,13 +108,13 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
             for s in &stalled {
                 println!(
                     "  {} / {}: head #{} on attempt {}, {:.0}s old, {} waiting; last error: {}",
-                    s.topic,
-                    s.key,
+                    printable(&s.topic),
+                    printable(&s.key),
                     s.id,
                     s.attempts,
                     s.age_secs,
                     s.waiting,
-                    s.last_error.as_deref().unwrap_or("-")
+                    printable(s.last_error.as_deref().unwrap_or("-"))
                 );
             }
         }
@@ -139,10 +140,10 @@ fn print_schedules(schedules: &[crate::store::ScheduleRow]) {
         };
         println!(
             "{:<24} {:<20} {:<16} {:<24} {:<30} {:<22}",
-            s.name,
-            s.cron,
-            s.timezone,
-            s.topic,
+            printable(&s.name),
+            printable(&s.cron),
+            printable(&s.timezone),
+            printable(&s.topic),
             last,
             at(s.next_tick)
         );
@@ -161,7 +162,7 @@ fn print_limits(limits: &[serde_json::Value]) {
     for l in limits {
         println!(
             "{:<32} {:>12} {:>8} {:>8}",
-            l["name"].as_str().unwrap_or(""),
+            printable(l["name"].as_str().unwrap_or("")),
             l["max_running"],
             if l["per_key"] == true { "yes" } else { "no" },
             l["running"]
