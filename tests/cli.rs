@@ -1105,3 +1105,43 @@ fn status_shows_control_characters_escaped_never_raw() {
         "{shown}"
     );
 }
+
+#[test]
+fn two_routes_to_the_same_kind_of_sink_report_their_health_apart() {
+    let db = TestDb::migrated();
+    let cfg = file(
+        r#"
+[[routes]]
+topics = ["a.*"]
+sink = "log"
+
+[[routes]]
+topics = ["*"]
+sink = "log"
+"#,
+    );
+    let port = free_port();
+    let mut relay = hermetic(BIN)
+        .args([
+            "--config",
+            cfg.0.to_str().unwrap(),
+            "--database-url",
+            &db.url,
+            "run",
+        ])
+        .env("POSTBOX_METRICS_LISTEN", format!("127.0.0.1:{port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(
+        wait_for(Duration::from_secs(20), || get(port, "/metrics")
+            .is_some_and(|(_, b)| {
+                b.contains("postbox_sink_up{sink=\"log[0]\"} 1")
+                    && b.contains("postbox_sink_up{sink=\"log[1]\"} 1")
+            })),
+        "{:?}",
+        get(port, "/metrics")
+    );
+    assert!(terminate(&mut relay).success());
+}

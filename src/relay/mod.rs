@@ -181,8 +181,16 @@ pub fn build_sinks(settings: &Settings) -> Result<Vec<Arc<dyn Sink>>> {
             );
             continue;
         }
+        // One name per route in metrics and health: `kafka`, or `kafka[N]` (N the route's index)
+        // when several routes use the same kind of sink.
+        let shared = settings.routes.iter().filter(|o| o.sink == r.sink).count() > 1;
+        let name = if shared {
+            format!("{}[{i}]", r.sink)
+        } else {
+            r.sink.clone()
+        };
         let sink: Arc<dyn Sink> = match r.sink.as_str() {
-            "log" => Arc::new(LogSink::new(topics)),
+            "log" => Arc::new(LogSink::new(topics).named(name)),
             #[cfg(feature = "kafka")]
             "kafka" => {
                 let kafka = settings.kafka.as_ref().ok_or_else(|| {
@@ -195,11 +203,10 @@ pub fn build_sinks(settings: &Settings) -> Result<Vec<Arc<dyn Sink>>> {
                     );
                 }
                 let p = producer.clone().expect("created above");
-                Arc::new(crate::sink::kafka::KafkaSink::new(
-                    p,
-                    topics,
-                    r.kafka_topic.clone(),
-                ))
+                Arc::new(
+                    crate::sink::kafka::KafkaSink::new(p, topics, r.kafka_topic.clone())
+                        .named(name),
+                )
             }
             #[cfg(not(feature = "kafka"))]
             "kafka" => {

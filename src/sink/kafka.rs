@@ -135,6 +135,8 @@ pub struct KafkaSink {
     topics: Topics,
     /// Send to this Kafka topic instead of the postbox topic.
     rename: Option<String>,
+    /// The name in metrics and health (`kafka`, or `kafka[N]` when several routes use Kafka).
+    name: String,
 }
 
 impl KafkaSink {
@@ -144,7 +146,15 @@ impl KafkaSink {
             producer,
             topics,
             rename,
+            name: "kafka".to_owned(),
         }
+    }
+
+    /// Names this sink in metrics and health: one route's outage must not hide behind another's
+    /// good health when several routes send to Kafka.
+    pub fn named(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
     }
 
     /// Waits for messages still queued in the producer (shutdown).
@@ -241,7 +251,7 @@ fn headers(m: &ClaimedMessage) -> OwnedHeaders {
 
 impl Sink for KafkaSink {
     fn name(&self) -> &str {
-        "kafka"
+        &self.name
     }
 
     fn topics(&self) -> Topics {

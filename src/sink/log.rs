@@ -21,6 +21,7 @@ use crate::store::{ClaimedMessage, Topics};
 pub struct LogSink {
     topics: Topics,
     writer: Arc<Writer>,
+    name: String,
 }
 
 impl std::fmt::Debug for LogSink {
@@ -59,7 +60,14 @@ impl LogSink {
         LogSink {
             topics,
             writer: Arc::new(Writer { tx }),
+            name: "log".to_owned(),
         }
+    }
+
+    /// Names this sink in metrics and health (`log[N]` when several routes use the log sink).
+    pub fn named(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
     }
 }
 
@@ -101,7 +109,7 @@ pub fn line(m: &ClaimedMessage) -> String {
 
 impl Sink for LogSink {
     fn name(&self) -> &str {
-        "log"
+        &self.name
     }
 
     fn topics(&self) -> Topics {
