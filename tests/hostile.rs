@@ -430,3 +430,55 @@ async fn a_flush_that_fails_in_part_keeps_the_messages_its_hand_over_passed_on()
     d.dedup();
     assert_eq!(d.len(), 3, "a message was delivered twice");
 }
+
+/// Records every settlement with its topic.
+#[derive(Default)]
+struct Settlements(Mutex<Vec<(String, postbox::engine::Settlement)>>);
+
+impl postbox::engine::Observer for Settlements {
+    fn settled(&self, topic: &str, _sink: &str, what: postbox::engine::Settlement, _age: Duration) {
+        self.0.lock().unwrap().push((topic.to_owned(), what));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_cut_off_by_shutdown_are_counted_under_their_topic() {
+    let db = TestDb::migrated();
+    let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let s = started.clone();
+    let handlers = Handlers::new().on("reports.slow", move |_job: Job<serde_json::Value>| {
+        let s = s.clone();
+        async move {
+            s.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            std::future::pending::<()>().await;
+            Ok(())
+        }
+    });
+    let observer = Arc::new(Settlements::default());
+    let engine = Engine::builder(&db.url)
+        .handlers(handlers)
+        .observer(observer.clone())
+        .shutdown_deadline(Duration::from_millis(200))
+        .build()
+        .await
+        .unwrap();
+    postbox::enqueue(&mut db.conn(), &postbox::Message::new("reports.slow")).unwrap();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(engine.run(shutdown.clone()));
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            started.load(std::sync::atomic::Ordering::SeqCst) == 1
+        })
+        .await
+    );
+    shutdown.cancel();
+    let report = task.await.unwrap().unwrap();
+    assert_eq!(report.retried, 1);
+    assert_eq!(
+        *observer.0.lock().unwrap(),
+        vec![(
+            "reports.slow".to_owned(),
+            postbox::engine::Settlement::Retried
+        )]
+    );
+}

@@ -77,7 +77,8 @@ pub struct EngineConfig {
     pub idle_linger: Duration,
     /// The claim rate (messages/s) from which the engine lingers; see `idle_linger`.
     pub linger_above: f64,
-    /// Shutdown waits this long for running deliveries, then hands the rest back.
+    /// Shutdown waits this long for running deliveries, then cuts the rest off (each counts as a
+    /// failed attempt, retried with backoff); messages not started go back without one.
     pub shutdown_deadline: Duration,
     /// Rescue interval for expired leases.
     pub rescue_interval: Duration,

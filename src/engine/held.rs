@@ -120,6 +120,7 @@ async fn deliver(
 ) {
     loop {
         let timeout = p.timeout_of(&part);
+        p.inflight.note_topics(&part);
         let (meta, kinds) = deliver_chunk(&p.sink, part, timeout, &*p.observer, &p.health).await;
         let delivered: Vec<MessageId> = match &chains {
             Some(_) => meta
@@ -175,6 +176,7 @@ async fn end(
     }
     let n = leases.len();
     let answered: HashSet<i64> = got.iter().map(|s| s.lease.id).collect();
+    p.inflight.forget_topics(answered.iter().copied());
     let (done, outcomes): (Vec<Settle>, Vec<Settle>) = got
         .into_iter()
         .partition(|s| matches!(s.kind, SettleKind::Complete | SettleKind::Release));

@@ -285,14 +285,16 @@ impl Engine {
 
     /// Runs until `shutdown` is cancelled (or, in drain mode, until nothing is left), then shuts
     /// down gracefully: stops claiming, hands back what it had not started, lets running
-    /// deliveries finish within the shutdown deadline, hands back the rest without using their
-    /// attempts, writes every outcome, and returns what it did.
+    /// deliveries finish within the shutdown deadline, cuts off the rest (each counts as a failed
+    /// attempt, retried with backoff, as River and Oban treat interrupted jobs: a message whose
+    /// delivery always hangs still reaches the dead letters), writes every outcome, and returns
+    /// what it did.
     pub async fn run(self, shutdown: CancellationToken) -> Result<RunReport> {
         self.run_until(shutdown, CancellationToken::new()).await
     }
 
     /// [`Engine::run`], with a second token that cuts the shutdown deadline short (a second
-    /// signal): running deliveries are abandoned and handed back at once.
+    /// signal): running deliveries are cut off at once (an attempt each, as at the deadline).
     pub async fn run_until(
         self,
         shutdown: CancellationToken,
@@ -496,10 +498,12 @@ impl Engine {
             .partition(|l| not_started.contains(&l.id));
         let hand_back = async {
             if !not_started.is_empty() {
-                self.release(&not_started, &*observer).await;
+                self.release(&not_started, &*observer, |id| inflight.topic_of(id))
+                    .await;
             }
             if !interrupted.is_empty() {
-                self.interrupt(&interrupted, &*observer).await;
+                self.interrupt(&interrupted, &*observer, |id| inflight.topic_of(id))
+                    .await;
             }
         };
         if tokio::time::timeout_at(writes_by, hand_back).await.is_err() {
@@ -529,7 +533,12 @@ impl Engine {
         Ok(self.counters.snapshot())
     }
 
-    async fn interrupt(&self, leases: &[crate::store::Lease], observer: &dyn Observer) {
+    async fn interrupt(
+        &self,
+        leases: &[crate::store::Lease],
+        observer: &dyn Observer,
+        topic_of: impl Fn(i64) -> String,
+    ) {
         let retries: Vec<crate::store::Retry> = leases
             .iter()
             .map(|&lease| crate::store::Retry {
@@ -544,14 +553,19 @@ impl Engine {
         match self.store.retry(&retries).await {
             Ok(r) => {
                 let sink = self.sink.name();
-                for _ in &r.retried {
-                    observer.settled("", sink, Settlement::Retried, Duration::ZERO);
+                for id in &r.retried {
+                    observer.settled(&topic_of(*id), sink, Settlement::Retried, Duration::ZERO);
                 }
-                for _ in &r.dead {
-                    observer.settled("", sink, Settlement::DeadLettered, Duration::ZERO);
+                for id in &r.dead {
+                    observer.settled(
+                        &topic_of(*id),
+                        sink,
+                        Settlement::DeadLettered,
+                        Duration::ZERO,
+                    );
                 }
-                for _ in &r.fenced {
-                    observer.settled("", sink, Settlement::Fenced, Duration::ZERO);
+                for id in &r.fenced {
+                    observer.settled(&topic_of(*id), sink, Settlement::Fenced, Duration::ZERO);
                 }
             }
             Err(e) => {
@@ -560,14 +574,29 @@ impl Engine {
         }
     }
 
-    async fn release(&self, leases: &[crate::store::Lease], observer: &dyn Observer) {
+    async fn release(
+        &self,
+        leases: &[crate::store::Lease],
+        observer: &dyn Observer,
+        topic_of: impl Fn(i64) -> String,
+    ) {
         match self.store.release(leases).await {
             Ok(r) => {
-                for _ in &r.done {
-                    observer.settled("", self.sink.name(), Settlement::Released, Duration::ZERO);
+                for id in &r.done {
+                    observer.settled(
+                        &topic_of(*id),
+                        self.sink.name(),
+                        Settlement::Released,
+                        Duration::ZERO,
+                    );
                 }
-                for _ in &r.fenced {
-                    observer.settled("", self.sink.name(), Settlement::Fenced, Duration::ZERO);
+                for id in &r.fenced {
+                    observer.settled(
+                        &topic_of(*id),
+                        self.sink.name(),
+                        Settlement::Fenced,
+                        Duration::ZERO,
+                    );
                 }
             }
             Err(e) => {

@@ -88,12 +88,32 @@ impl Cursor {
 #[derive(Default)]
 pub(crate) struct InFlight {
     leases: Mutex<HashMap<(i64, i64), Lease>>,
+    /// The topic of each message that went in, for the metrics of what shutdown hands back.
+    topics: Mutex<HashMap<i64, String>>,
 }
 
 impl InFlight {
     pub(crate) fn add(&self, batch: &[ClaimedMessage]) {
+        self.note_topics(batch);
         let mut m = self.leases.lock().expect("in-flight lock");
         m.extend(batch.iter().map(|c| ((c.id, c.lease_token), c.lease())));
+    }
+    /// Records the topics of messages about to be delivered.
+    pub(crate) fn note_topics(&self, batch: &[ClaimedMessage]) {
+        let mut t = self.topics.lock().expect("in-flight lock");
+        t.extend(batch.iter().map(|c| (c.id, c.topic.clone())));
+    }
+    /// Forgets the topics of messages settled without a lease here (within their hold).
+    pub(crate) fn forget_topics(&self, ids: impl IntoIterator<Item = i64>) {
+        let mut t = self.topics.lock().expect("in-flight lock");
+        for id in ids {
+            t.remove(&id);
+        }
+    }
+    /// The topic of a message that went in ("" if none was noted).
+    pub(crate) fn topic_of(&self, id: i64) -> String {
+        let t = self.topics.lock().expect("in-flight lock");
+        t.get(&id).cloned().unwrap_or_default()
     }
     /// Leases of held messages leased as their hold ended.
     pub(crate) fn add_leases(&self, leases: &[Lease]) {
@@ -105,6 +125,10 @@ impl InFlight {
             .lock()
             .expect("in-flight lock")
             .remove(&(lease.id, lease.token));
+        self.topics
+            .lock()
+            .expect("in-flight lock")
+            .remove(&lease.id);
     }
     pub(crate) fn leases(&self) -> Vec<Lease> {
         self.leases
