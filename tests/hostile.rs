@@ -312,6 +312,7 @@ async fn shutdown_keeps_its_deadline_while_a_claim_waits_on_a_table_lock() {
         .unwrap()
         .unwrap();
     let took = started.elapsed();
+    eprintln!("shutdown with a claim waiting on a table lock took {took:?}");
     // The deadline (1 s), then at most the window of the last writes (5 s).
     assert!(took < Duration::from_secs(8), "shutdown took {took:?}");
     migration.batch_execute("ROLLBACK").unwrap();
@@ -481,4 +482,46 @@ async fn deliveries_cut_off_by_shutdown_are_counted_under_their_topic() {
             postbox::engine::Settlement::Retried
         )]
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_with_the_database_gone_ends_within_its_deadline_and_the_write_window() {
+    let server = common::OwnServer::start(&[]);
+    let db = server.migrated();
+    let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let s = started.clone();
+    let handlers = Handlers::new().on("t", move |_job: Job<serde_json::Value>| {
+        let s = s.clone();
+        async move {
+            s.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            std::future::pending::<()>().await;
+            Ok(())
+        }
+    });
+    let engine = Engine::builder(&db.url)
+        .handlers(handlers)
+        .shutdown_deadline(Duration::from_secs(2))
+        .build()
+        .await
+        .unwrap();
+    let msgs: Vec<postbox::Message> = (0..5).map(|_| postbox::Message::new("t")).collect();
+    postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(engine.run(shutdown.clone()));
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            started.load(std::sync::atomic::Ordering::SeqCst) == 5
+        })
+        .await
+    );
+    tokio::task::block_in_place(|| server.stop("immediate"));
+    let stopping = std::time::Instant::now();
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(60), task)
+        .await
+        .expect("shutdown hung with the database gone");
+    let took = stopping.elapsed();
+    eprintln!("shutdown with the database gone took {took:?}");
+    // The deadline (2 s), the window of the last writes (5 s), a second for the services.
+    assert!(took < Duration::from_secs(10), "shutdown took {took:?}");
 }
