@@ -1035,3 +1035,287 @@ fn the_kafka_sink_is_built_with_tls_and_sasl_scram_and_oauthbearer() {
         }
     }
 }
+
+/// One relay process against everything hostile at once, with a writer running: rows it cannot
+/// read (a payload deeper than serde reads, a key that is not UTF-8), a payload Kafka refuses for
+/// its size, keys full of escape sequences, a key with NUL (refused at enqueue), a Kafka topic the
+/// cluster refuses next to a good one, a notifier connection gone silent and a reader of stdout
+/// that stalls. The ledger must be exact: every good message delivered once, in order per key;
+/// every bad one dead-lettered with its reason; health answering throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_hostile_input_and_networks_with_a_writer_running() {
+    use std::io::BufRead;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let broker = Broker::start();
+    broker.create_topic("good.orders", 1).await;
+    // SQL_ASCII: text is stored as given, so a key that is not UTF-8 can be written with SQL.
+    let db = TestDb::migrated_with_encoding("SQL_ASCII");
+    db.exec("CREATE TABLE public.produced (id bigint PRIMARY KEY, good bool NOT NULL, what text)");
+    let proxy = common::proxy::FreezingProxy::start();
+    let metrics = free_port();
+    let config = std::env::temp_dir().join(format!("postbox-hostile-{}.toml", fastrand::u64(..)));
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[sinks.kafka]
+brokers = "{}"
+
+[sinks.kafka.properties]
+"allow.auto.create.topics" = "false"
+"topic.metadata.propagation.max.ms" = "100"
+"message.timeout.ms" = "10000"
+
+[[routes]]
+topics = ["good.*", "acl.*"]
+sink = "kafka"
+
+[[routes]]
+topics = ["*"]
+sink = "log"
+"#,
+            broker.brokers()
+        ),
+    )
+    .unwrap();
+    let mut relay = common::hermetic(env!("CARGO_BIN_EXE_postbox"))
+        .args(["--config", config.to_str().unwrap()])
+        .args(["--database-url", &proxy.url(&db), "run"])
+        .env("POSTBOX_POLL_INTERVAL", "200ms")
+        .env("POSTBOX_METRICS_LISTEN", format!("127.0.0.1:{metrics}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // What reached stdout, in order; the reader can be stalled.
+    let stalled = Arc::new(AtomicBool::new(false));
+    let logged: Arc<Mutex<Vec<(i64, Option<String>)>>> = Default::default();
+    let reader = {
+        let (out, stalled, logged) = (
+            relay.stdout.take().unwrap(),
+            stalled.clone(),
+            logged.clone(),
+        );
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines() {
+                while stalled.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                let Ok(line) = line else { break };
+                let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+                let key = v["key"].as_str().map(str::to_owned);
+                logged
+                    .lock()
+                    .unwrap()
+                    .push((v["id"].as_i64().unwrap(), key));
+            }
+        })
+    };
+    let healthy = || common::http_get(metrics, "/healthz").is_some_and(|(c, _)| c == 200);
+    assert!(eventually(Duration::from_secs(20), || async { healthy() }).await);
+    assert!(eventually(Duration::from_secs(20), || async { proxy.listeners() >= 1 }).await);
+
+    // The writer: good messages on ordered keys (escape sequences in some), with a bad row now
+    // and then in the same transaction, each recorded in the ledger by the transaction itself.
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (url, stop) = (db.url.clone(), stop.clone());
+        std::thread::spawn(move || {
+            use diesel::connection::SimpleConnection;
+            use diesel::{Connection, RunQueryDsl};
+            let mut conn = diesel::PgConnection::establish(&url).unwrap();
+            let mut i = 0u64;
+            while !stop.load(Ordering::Acquire) {
+                i += 1;
+                conn.transaction::<_, postbox::Error, _>(|c| {
+                    let good = [
+                        Message::new("good.orders").key(format!("k{}", i % 4)).ordered(),
+                        Message::new("log.events").key(format!("e\u{1b}[2J{}", i % 3)).ordered(),
+                    ];
+                    for m in &good {
+                        let id = postbox::enqueue(c, &m.clone().payload(&i))?.id().unwrap();
+                        c.batch_execute(&format!(
+                            "INSERT INTO public.produced VALUES ({id}, true, 'good')"
+                        ))?;
+                    }
+                    let bad = match i % 40 {
+                        1 => Some(("deep", "'log.events', E'e\\x1b[2J0', true, (repeat('[', 200) || repeat(']', 200))::jsonb")),
+                        11 => Some(("not utf-8", "'log.events', E'bad\\xff', true, '1'::jsonb")),
+                        21 => Some(("too large for kafka", "'good.orders', 'k0', true, to_jsonb(repeat('x', 2000000))")),
+                        31 => Some(("refused topic", "'acl.audit', NULL, false, '1'::jsonb")),
+                        _ => None,
+                    };
+                    if let Some((what, values)) = bad {
+                        // A refused topic is not a bad message: it waits for the topic.
+                        let good = what == "refused topic";
+                        c.batch_execute(&format!(
+                            "WITH m AS (INSERT INTO postbox.messages (topic, key, ordered, payload)
+                                        VALUES ({values}) RETURNING id)
+                             INSERT INTO public.produced SELECT id, {good}, '{what}' FROM m"
+                        ))?;
+                    }
+                    Ok(())
+                })
+                .unwrap();
+                // A key with NUL is refused at enqueue, naming the field; nothing is written.
+                if i % 50 == 0 {
+                    let refused =
+                        postbox::enqueue(&mut conn, &Message::new("log.events").key("a\0b"));
+                    assert!(
+                        matches!(refused, Err(postbox::Error::InvalidMessage(_))),
+                        "{refused:?}"
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let _ = diesel::sql_query("SELECT 1").execute(&mut conn);
+            i
+        })
+    };
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The notifier's connection goes silent.
+    assert!(proxy.freeze_listeners() >= 1);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // stdout stops being read for 3 s: the log route is down meanwhile, the relay is not.
+    stalled.store(true, Ordering::Release);
+    let sink_down = eventually(Duration::from_secs(10), || async {
+        common::http_get(metrics, "/metrics")
+            .is_some_and(|(_, b)| b.contains("postbox_sink_up{sink=\"log\"} 0"))
+    })
+    .await;
+    assert!(healthy(), "/healthz failed with stdout stalled");
+    stalled.store(false, Ordering::Release);
+    assert!(sink_down, "the log sink never reported the stalled stdout");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Release);
+    let turns = writer.join().unwrap();
+    assert!(turns > 100, "the writer made only {turns} transactions");
+    // The notifier found its silent connection out and replaced it.
+    assert!(
+        eventually(Duration::from_secs(30), || async { proxy.listeners() >= 2 }).await,
+        "the notifier never replaced its silent connection"
+    );
+    // Everything but the refused topic's messages settles; then the topic is created.
+    let unsettled = "SELECT count(*) AS v FROM postbox.messages";
+    let refused =
+        "SELECT count(*) AS v FROM postbox.messages WHERE topic = 'acl.audit' AND attempts = 0";
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            db.scalar(unsettled) == db.scalar(refused)
+        })
+        .await,
+        "{} messages left, {} of the refused topic",
+        db.scalar(unsettled),
+        db.scalar(refused)
+    );
+    assert!(db.scalar(refused) > 0);
+    broker.create_topic("acl.audit", 1).await;
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            db.scalar(unsettled) == 0
+        })
+        .await,
+        "{} messages left",
+        db.scalar(unsettled)
+    );
+    assert!(healthy());
+    let _ = Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status();
+    assert!(relay.wait().unwrap().success());
+    reader.join().unwrap();
+    let _ = std::fs::remove_file(&config);
+
+    // The ledger.
+    let good_ids = |sql: &str| -> Vec<i64> {
+        #[derive(diesel::QueryableByName)]
+        struct Id {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            id: i64,
+        }
+        use diesel::RunQueryDsl;
+        diesel::sql_query(sql)
+            .load::<Id>(&mut db.conn())
+            .unwrap()
+            .into_iter()
+            .map(|r| r.id)
+            .collect()
+    };
+    let mut delivered: HashMap<i64, u32> = HashMap::new();
+    let logged = logged.lock().unwrap().clone();
+    for (id, _) in &logged {
+        *delivered.entry(*id).or_default() += 1;
+    }
+    let orders = broker.consume_ids("good.orders", 1);
+    let audit = broker.consume_ids("acl.audit", 1);
+    for (id, n) in orders.iter().chain(audit.iter()) {
+        *delivered.entry(*id).or_default() += n;
+    }
+    let good = good_ids("SELECT id FROM public.produced WHERE good");
+    let missing: Vec<i64> = good
+        .iter()
+        .filter(|id| !delivered.contains_key(id))
+        .copied()
+        .collect();
+    let twice: Vec<(i64, u32)> = delivered
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(i, n)| (*i, *n))
+        .collect();
+    eprintln!(
+        "hostile chaos: {turns} writer transactions, {} good messages ({} to Kafka), {} bad, {} dead; missing {}, delivered twice {}",
+        good.len(),
+        orders.len() + audit.len(),
+        good_ids("SELECT id FROM public.produced WHERE NOT good").len(),
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters"),
+        missing.len(),
+        twice.len()
+    );
+    assert!(
+        missing.is_empty(),
+        "good messages not delivered: {missing:?}"
+    );
+    assert!(twice.is_empty(), "delivered more than once: {twice:?}");
+    // Every bad row is a dead letter, with the reason.
+    for (what, reason) in [
+        ("deep", "payload nested deeper"),
+        ("not utf-8", "key not UTF-8"),
+        ("too large for kafka", "kafka:"),
+    ] {
+        let ids = good_ids(&format!(
+            "SELECT id FROM public.produced WHERE what = '{what}'"
+        ));
+        assert!(!ids.is_empty(), "no {what} row was written");
+        for id in ids {
+            let n = db.scalar(&format!(
+                "SELECT count(*) AS v FROM postbox.dead_letters WHERE id = {id} AND strpos(reason, '{reason}') > 0"
+            ));
+            assert_eq!(
+                n, 1,
+                "{what} #{id} is not a dead letter with a reason naming {reason:?}"
+            );
+        }
+    }
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters"),
+        db.scalar("SELECT count(*) AS v FROM public.produced WHERE NOT good")
+    );
+    // In order per key: the log's lines, and Kafka's partition.
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for (id, key) in &logged {
+        if let Some(k) = key {
+            let before = last.insert(k.clone(), *id).unwrap_or(0);
+            assert!(before < *id, "key {k:?}: {id} after {before}");
+        }
+    }
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for c in broker.consume("good.orders", orders.len()) {
+        let id: i64 = c.headers["postbox-id"].parse().unwrap();
+        let k = c.key.clone().unwrap();
+        let before = last.insert(k.clone(), id).unwrap_or(0);
+        assert!(before < id, "kafka key {k}: {id} after {before}");
+    }
+}

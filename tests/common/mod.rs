@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use diesel::{Connection, PgConnection, RunQueryDsl};
 
+pub mod proxy;
+
 /// Server to test against: `POSTBOX_TEST_DATABASE_URL` (without a database name), or the local
 /// default.
 pub fn server_url() -> String {
