@@ -440,3 +440,48 @@ async fn shutdown_with_the_database_gone_ends_within_its_deadline_and_the_write_
     // The deadline (2 s), the window of the last writes (5 s), a second for the services.
     assert!(took < Duration::from_secs(10), "shutdown took {took:?}");
 }
+
+/// Counts the engine's signs of life.
+#[derive(Default)]
+struct Pulse(std::sync::atomic::AtomicUsize);
+
+impl postbox::engine::Observer for Pulse {
+    fn alive(&self, _sink: &str) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_whose_claims_keep_failing_gives_no_sign_of_life() {
+    let db = TestDb::migrated();
+    let pulse = Arc::new(Pulse::default());
+    let engine = Engine::builder(&db.url)
+        .handlers(recording("t", Default::default()))
+        .observer(pulse.clone())
+        .poll_interval(Duration::from_millis(50))
+        .build()
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(engine.run(shutdown.clone()));
+    let beats = || pulse.0.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(eventually(Duration::from_secs(10), || async { beats() > 3 }).await);
+    // Every claim now fails on its statement: the loop goes round, but does no work.
+    db.exec("ALTER FUNCTION postbox.claim_topic(text, integer, double precision, bigint, text) RENAME TO claim_topic_gone");
+    let failing = beats();
+    // Over many poll intervals (and claim retries), no sign of life after the first failure.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = beats();
+    assert!(
+        after <= failing + 1,
+        "alive {} times while every claim failed",
+        after - failing
+    );
+    db.exec("ALTER FUNCTION postbox.claim_topic_gone(text, integer, double precision, bigint, text) RENAME TO claim_topic");
+    assert!(
+        eventually(Duration::from_secs(20), || async { beats() > after + 3 }).await,
+        "no sign of life once claims work again"
+    );
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+}
