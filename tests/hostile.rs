@@ -473,7 +473,7 @@ async fn an_engine_whose_claims_keep_failing_gives_no_sign_of_life() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let after = beats();
     assert!(
-        after <= failing + 1,
+        after <= failing + 2,
         "alive {} times while every claim failed",
         after - failing
     );
