@@ -1319,3 +1319,142 @@ sink = "log"
         assert!(before < id, "kafka key {k}: {id} after {before}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_route_runs_over_sasl_ssl_with_scram_sha_512() {
+    let dir = std::env::temp_dir().join(format!("postbox-kafka-scram-{}", fastrand::u64(..)));
+    std::fs::create_dir_all(&dir).unwrap();
+    test_certificates(&dir);
+    // tansu (no authentication of its own) behind a SCRAM-SHA-512 front, behind TLS: the client
+    // meets TLS, then SASL, then Kafka, as on a secured cluster. tansu advertises the TLS port.
+    let (plain, tls) = (free_port(), free_port());
+    let _broker = Killed(
+        Command::new(tansu_bin())
+            .args([
+                "broker",
+                "--listener-url",
+                &format!("tcp://127.0.0.1:{plain}"),
+                "--advertised-listener-url",
+                &format!("tcp://127.0.0.1:{tls}"),
+                "--storage-engine",
+                "memory://tansu/",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start tansu"),
+    );
+    let end = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", plain)).is_err() {
+        assert!(Instant::now() < end, "tansu did not listen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let front = common::scram_front::start(format!("127.0.0.1:{plain}"), "relay", "s3cret pass");
+    let _terminator = Killed(
+        Command::new("socat")
+            .arg(format!(
+                "OPENSSL-LISTEN:{tls},bind=127.0.0.1,reuseaddr,fork,verify=0,cert={},key={}",
+                dir.join("broker.pem").display(),
+                dir.join("broker.key").display()
+            ))
+            .arg(format!("TCP:127.0.0.1:{front}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("socat"),
+    );
+    let end = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", tls)).is_err() {
+        assert!(Instant::now() < end, "socat did not listen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The topic, made by a client that authenticates as the relay does.
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", format!("127.0.0.1:{tls}"))
+        .set("security.protocol", "sasl_ssl")
+        .set("sasl.mechanism", "SCRAM-SHA-512")
+        .set("sasl.username", "relay")
+        .set("sasl.password", "s3cret pass")
+        .set("ssl.ca.location", dir.join("ca.pem").display().to_string())
+        .create()
+        .unwrap();
+    let made = admin
+        .create_topics(
+            &[NewTopic::new("secure.scram", 1, TopicReplication::Fixed(1))],
+            &AdminOptions::new(),
+        )
+        .await
+        .unwrap();
+    for t in made {
+        t.unwrap();
+    }
+    let ca = dir.join("ca.pem").display().to_string();
+    let brokers = format!("127.0.0.1:{tls}");
+    let scram = |password: &str| {
+        producer(
+            &brokers,
+            &properties(&[
+                ("security.protocol", "sasl_ssl"),
+                ("sasl.mechanism", "SCRAM-SHA-512"),
+                ("sasl.username", "relay"),
+                ("sasl.password", password),
+                ("ssl.ca.location", &ca),
+                ("message.timeout.ms", "5000"),
+            ]),
+        )
+        .unwrap()
+    };
+    let db = TestDb::migrated();
+    let msgs: Vec<Message> = (0..10)
+        .map(|i| {
+            Message::new("secure.scram")
+                .key(format!("k{}", i % 2))
+                .payload(&i)
+        })
+        .collect();
+    postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
+
+    // A wrong password: the broker refuses the session; nothing delivered, no attempt used.
+    let engine = Engine::builder(&db.url)
+        .sink(KafkaSink::new(scram("wrong"), Topics::all(), None))
+        .config(config())
+        .build()
+        .await
+        .unwrap();
+    let (stop, task, counters) = start(engine);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            counters.snapshot().released >= 10
+        })
+        .await,
+        "{:?}",
+        counters.snapshot()
+    );
+    stop.cancel();
+    assert_eq!(task.await.unwrap().unwrap().delivered, 0);
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE attempts = 0"),
+        10
+    );
+
+    // The right one: SCRAM-SHA-512 over TLS, every message acknowledged by the broker.
+    let engine = Engine::builder(&db.url)
+        .sink(KafkaSink::new(scram("s3cret pass"), Topics::all(), None))
+        .config(config())
+        .build()
+        .await
+        .unwrap();
+    let (stop, task, counters) = start(engine);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            counters.snapshot().delivered == 10
+        })
+        .await,
+        "{:?}",
+        counters.snapshot()
+    );
+    stop.cancel();
+    task.await.unwrap().unwrap();
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use diesel::{Connection, PgConnection, RunQueryDsl};
 
 pub mod proxy;
+pub mod scram_front;
 
 /// Server to test against: `POSTBOX_TEST_DATABASE_URL` (without a database name), or the local
 /// default.
