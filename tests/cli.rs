@@ -1145,3 +1145,49 @@ sink = "log"
     );
     assert!(terminate(&mut relay).success());
 }
+
+#[test]
+fn pgsslmode_from_the_environment_encrypts_the_relays_connections() {
+    let db = TestDb::migrated();
+    let port = free_port();
+    let mut relay = hermetic(BIN)
+        .args(["--database-url", &db.url, "run"])
+        .env("POSTBOX_METRICS_LISTEN", format!("127.0.0.1:{port}"))
+        .env("PGSSLMODE", "require")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let sessions = |ssl: bool| {
+        db.scalar(&format!(
+            "SELECT count(*) AS v FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+             WHERE a.datname = '{}' AND a.application_name = 'postbox' AND s.ssl = {ssl}",
+            db.name
+        ))
+    };
+    assert!(
+        wait_for(Duration::from_secs(20), || sessions(true) > 0),
+        "no encrypted relay session"
+    );
+    assert_eq!(sessions(false), 0, "a relay session is not encrypted");
+    assert!(terminate(&mut relay).success());
+}
+
+#[test]
+fn config_check_hides_a_password_holding_url_delimiters() {
+    let out = postbox(&[
+        "--database-url",
+        "postgres://app:pa?ss/w@db.internal:5432/orders?password=second",
+        "config",
+        "check",
+    ]);
+    let shown = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(
+        shown.contains("app:<redacted>@db.internal:5432/orders"),
+        "{shown}"
+    );
+    assert!(
+        !shown.contains("pa?ss") && !shown.contains("second"),
+        "{shown}"
+    );
+}
