@@ -1091,7 +1091,8 @@ sink = "log"
         .unwrap();
     // What reached stdout, in order; the reader can be stalled.
     let stalled = Arc::new(AtomicBool::new(false));
-    let logged: Arc<Mutex<Vec<(i64, Option<String>)>>> = Default::default();
+    type Lines = Arc<Mutex<Vec<(i64, Option<String>)>>>;
+    let logged: Lines = Default::default();
     let reader = {
         let (out, stalled, logged) = (
             relay.stdout.take().unwrap(),
