@@ -83,6 +83,8 @@ pub(crate) struct HandOver {
     queue: Mutex<VecDeque<(Vec<ClaimedMessage>, OwnedSemaphorePermit)>>,
     /// Signalled when a batch is queued.
     pub(crate) queued: Notify,
+    /// Set once shutdown has taken the queue.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl HandOver {
@@ -105,6 +107,7 @@ impl HandOver {
             inflight,
             queue: Mutex::new(VecDeque::new()),
             queued: Notify::new(),
+            closed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -139,11 +142,19 @@ impl HandOver {
         let permit = reserved
             .split(batch.len().div_ceil(self.chunk))
             .expect("permits were reserved for every message taken");
+        let mut q = self.queue.lock().expect("hand-over lock");
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            // Shutdown has taken what was queued: these are left to their lease's expiry
+            // (handed back by the rescue, never counted as interrupted deliveries).
+            tracing::warn!(
+                messages = batch.len(),
+                "handed over after shutdown took the queue; left to lease expiry"
+            );
+            return;
+        }
         self.inflight.add(&batch);
-        self.queue
-            .lock()
-            .expect("hand-over lock")
-            .push_back((batch, permit));
+        q.push_back((batch, permit));
+        drop(q);
         self.queued.notify_one();
     }
 
@@ -158,6 +169,9 @@ impl HandOver {
     /// The leases of the handed-over messages no claim loop dispatched (at shutdown).
     pub(crate) fn take_queued(&self) -> Vec<Lease> {
         let mut q = self.queue.lock().expect("hand-over lock");
+        // Nothing is handed over after this (a flush still running at the end of shutdown).
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
         q.drain(..)
             .flat_map(|(batch, _)| batch.into_iter().map(|m| m.lease()))
             .collect()

@@ -15,6 +15,10 @@ use crate::store::{Dead, Retry, RetryReport, Settled, Store};
 /// split (or, alone, the outcome is given up on) if it is.
 const TRIES_BEFORE_SPLIT: u32 = 3;
 
+/// Lock timeouts of one batch not counted as failures (the back-off between tries grows to 5 s, so
+/// about a minute of a key lock held elsewhere) before they count like any other failure.
+const LOCK_WAITS: u32 = 15;
+
 /// What a flush writes with.
 pub(crate) struct Writer<'a> {
     pub store: &'a Store,
@@ -109,6 +113,7 @@ impl Writer<'_> {
         let take = reserved.as_ref().map_or(0, |r| r.1);
         let mut pause = Duration::from_millis(50);
         let mut tries = 0;
+        let mut lock_waits = 0;
         let mut give_up_at: Option<Instant> = None;
         let store = self.store;
         let mut written = Written::default();
@@ -162,8 +167,11 @@ impl Writer<'_> {
             let Some(e) = error else {
                 break None;
             };
-            // Waiting on a lock (a writer of the key committing) is contention, not refusal.
-            if !is_lock_wait(&e) {
+            // Waiting on a lock (a writer of the key committing) is contention, not refusal, for
+            // a while: a lock held for longer than LOCK_WAITS tries counts like any failure.
+            if is_lock_wait(&e) && lock_waits < LOCK_WAITS {
+                lock_waits += 1;
+            } else {
                 tries += 1;
             }
             if self.hand_over.shutdown().is_cancelled() {
@@ -245,10 +253,10 @@ struct Written {
     release: Option<Settled>,
 }
 
-/// A statement ended by `lock_timeout` or `statement_timeout`: worth trying again as it is.
+/// A statement ended by `lock_timeout` (SQLSTATE 55P03, "canceling statement due to lock
+/// timeout"): worth trying again as it is, up to [`LOCK_WAITS`] times.
 fn is_lock_wait(e: &crate::Error) -> bool {
-    let text = e.to_string();
-    text.contains("lock timeout") || text.contains("statement timeout")
+    e.to_string().contains("lock timeout")
 }
 
 /// Keeps a statement's result, or the first error.

@@ -485,6 +485,9 @@ impl Engine {
         {
             tracing::warn!("outcomes still unwritten at the end of shutdown; left to lease expiry");
             completer.abort();
+            // Its flushes end with it (they are its tasks); anything they hand over from now on
+            // is refused by the closed hand-over below.
+            let _ = completer.await;
         }
         // Handed-over messages that never started go back without using an attempt; deliveries
         // cut off by the deadline (or a hard stop) used theirs: they are retried with backoff, and

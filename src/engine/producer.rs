@@ -211,6 +211,11 @@ impl SinkHealth {
                 return; // the rest of a batch sent before the topic was held back
             }
         }
+        if held.len() >= 1024 {
+            // Glob routes can see many topics: forget those not refused for a long while.
+            let long_ago = Instant::now().checked_sub(self.max * 8);
+            held.retain(|_, (_, until)| long_ago.is_none_or(|t| *until > t));
+        }
         let n = held.get(topic).map_or(0, |(n, _)| *n);
         let pause = (Duration::from_millis(500) * 2u32.saturating_pow(n.min(20))).min(self.max);
         held.insert(topic.to_owned(), (n + 1, Instant::now() + pause));
