@@ -876,22 +876,25 @@ impl Drop for Killed {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_kafka_sink_delivers_over_tls_and_refuses_a_broker_it_cannot_verify() {
-    let dir = std::env::temp_dir().join(format!("postbox-kafka-tls-{}", fastrand::u64(..)));
-    std::fs::create_dir_all(&dir).unwrap();
-    test_certificates(&dir);
-    // tansu speaks plain Kafka on one port and advertises the TLS port, where socat terminates
-    // TLS with the broker's certificate: every byte a client sends goes through TLS.
-    let (plain, tls) = (free_port(), free_port());
-    let tansu = Killed(
+/// Waits until something listens on 127.0.0.1:`port`.
+fn wait_listening(port: u16, what: &str) {
+    let end = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < end, "{what} did not listen on {port}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// tansu speaking plain Kafka on `plain` and advertising `advertised` (where TLS is terminated).
+fn tansu_advertising(plain: u16, advertised: u16) -> Killed {
+    let broker = Killed(
         Command::new(tansu_bin())
             .args([
                 "broker",
                 "--listener-url",
                 &format!("tcp://127.0.0.1:{plain}"),
                 "--advertised-listener-url",
-                &format!("tcp://127.0.0.1:{tls}"),
+                &format!("tcp://127.0.0.1:{advertised}"),
                 "--storage-engine",
                 "memory://tansu/",
             ])
@@ -900,26 +903,39 @@ async fn the_kafka_sink_delivers_over_tls_and_refuses_a_broker_it_cannot_verify(
             .spawn()
             .expect("start tansu"),
     );
-    let terminator = Killed(
+    wait_listening(plain, "tansu");
+    broker
+}
+
+/// socat terminating TLS on `tls` with the broker certificate of `dir`, forwarding to `to`.
+fn tls_terminator(dir: &std::path::Path, tls: u16, to: u16) -> Killed {
+    let socat = Killed(
         Command::new("socat")
             .arg(format!(
                 "OPENSSL-LISTEN:{tls},bind=127.0.0.1,reuseaddr,fork,verify=0,cert={},key={}",
                 dir.join("broker.pem").display(),
                 dir.join("broker.key").display()
             ))
-            .arg(format!("TCP:127.0.0.1:{plain}"))
+            .arg(format!("TCP:127.0.0.1:{to}"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("socat (Debian package socat)"),
     );
-    for port in [plain, tls] {
-        let end = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < end, "nothing listens on {port}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+    wait_listening(tls, "socat");
+    socat
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kafka_sink_delivers_over_tls_and_refuses_a_broker_it_cannot_verify() {
+    let dir = std::env::temp_dir().join(format!("postbox-kafka-tls-{}", fastrand::u64(..)));
+    std::fs::create_dir_all(&dir).unwrap();
+    test_certificates(&dir);
+    // tansu speaks plain Kafka on one port and advertises the TLS port, where socat terminates
+    // TLS with the broker's certificate: every byte a client sends goes through TLS.
+    let (plain, tls) = (free_port(), free_port());
+    let tansu = tansu_advertising(plain, tls);
+    let terminator = tls_terminator(&dir, tls, plain);
     let ca = dir.join("ca.pem").display().to_string();
     let brokers = format!("127.0.0.1:{tls}");
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
@@ -1134,9 +1150,12 @@ sink = "log"
                     let good = [
                         Message::new("good.orders").key(format!("k{}", i % 4)).ordered(),
                         Message::new("log.events").key(format!("e\u{1b}[2J{}", i % 3)).ordered(),
+                        Message::new("log.plain"),
                     ];
+                    // Log lines of about 1 KiB: a stalled reader's pipe fills within moments.
+                    let body = serde_json::json!({ "n": i, "pad": "x".repeat(1000) });
                     for m in &good {
-                        let id = postbox::enqueue(c, &m.clone().payload(&i))?.id().unwrap();
+                        let id = postbox::enqueue(c, &m.clone().payload(&body))?.id().unwrap();
                         c.batch_execute(&format!(
                             "INSERT INTO public.produced VALUES ({id}, true, 'good')"
                         ))?;
@@ -1182,7 +1201,7 @@ sink = "log"
     tokio::time::sleep(Duration::from_secs(2)).await;
     // stdout stops being read for 3 s: the log route is down meanwhile, the relay is not.
     stalled.store(true, Ordering::Release);
-    let sink_down = eventually(Duration::from_secs(10), || async {
+    let sink_down = eventually(Duration::from_secs(60), || async {
         common::http_get(metrics, "/metrics")
             .is_some_and(|(_, b)| b.contains("postbox_sink_up{sink=\"log\"} 0"))
     })
@@ -1279,7 +1298,17 @@ sink = "log"
         missing.is_empty(),
         "good messages not delivered: {missing:?}"
     );
-    assert!(twice.is_empty(), "delivered more than once: {twice:?}");
+    let sources: Vec<String> = twice
+        .iter()
+        .map(|(id, _)| {
+            format!(
+                "#{id}: log {}, kafka {}",
+                logged.iter().filter(|(l, _)| l == id).count(),
+                orders.get(id).or(audit.get(id)).copied().unwrap_or(0)
+            )
+        })
+        .collect();
+    assert!(twice.is_empty(), "delivered more than once: {sources:?}");
     // Every bad row is a dead letter, with the reason.
     for (what, reason) in [
         ("deep", "payload nested deeper"),
@@ -1329,46 +1358,9 @@ async fn a_kafka_route_runs_over_sasl_ssl_with_scram_sha_512() {
     // tansu (no authentication of its own) behind a SCRAM-SHA-512 front, behind TLS: the client
     // meets TLS, then SASL, then Kafka, as on a secured cluster. tansu advertises the TLS port.
     let (plain, tls) = (free_port(), free_port());
-    let _broker = Killed(
-        Command::new(tansu_bin())
-            .args([
-                "broker",
-                "--listener-url",
-                &format!("tcp://127.0.0.1:{plain}"),
-                "--advertised-listener-url",
-                &format!("tcp://127.0.0.1:{tls}"),
-                "--storage-engine",
-                "memory://tansu/",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start tansu"),
-    );
-    let end = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", plain)).is_err() {
-        assert!(Instant::now() < end, "tansu did not listen");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let _broker = tansu_advertising(plain, tls);
     let front = common::scram_front::start(format!("127.0.0.1:{plain}"), "relay", "s3cret pass");
-    let _terminator = Killed(
-        Command::new("socat")
-            .arg(format!(
-                "OPENSSL-LISTEN:{tls},bind=127.0.0.1,reuseaddr,fork,verify=0,cert={},key={}",
-                dir.join("broker.pem").display(),
-                dir.join("broker.key").display()
-            ))
-            .arg(format!("TCP:127.0.0.1:{front}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("socat"),
-    );
-    let end = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", tls)).is_err() {
-        assert!(Instant::now() < end, "socat did not listen");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let _terminator = tls_terminator(&dir, tls, front);
     // The topic, made by a client that authenticates as the relay does.
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", format!("127.0.0.1:{tls}"))

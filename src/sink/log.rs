@@ -3,6 +3,7 @@
 
 use std::io::Write as _;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -33,7 +34,12 @@ impl std::fmt::Debug for LogSink {
 }
 
 /// One batch's text and where to answer.
-type Write = (String, oneshot::Sender<std::io::Result<()>>);
+type Write = (String, Arc<AtomicU8>, oneshot::Sender<std::io::Result<()>>);
+
+/// Where a batch is: waiting for the writer thread, being written, or given up before it was.
+const QUEUED: u8 = 0;
+const WRITING: u8 = 1;
+const CANCELLED: u8 = 2;
 
 struct Writer {
     /// Room for one batch: a second one while the first is still being written is refused.
@@ -50,7 +56,14 @@ impl LogSink {
         std::thread::Builder::new()
             .name("postbox-log-sink".into())
             .spawn(move || {
-                for (text, answer) in rx {
+                for (text, state, answer) in rx {
+                    // Given up while it waited: its messages were handed back, nothing written.
+                    if state
+                        .compare_exchange(QUEUED, WRITING, Ordering::AcqRel, Ordering::Acquire)
+                        .is_err()
+                    {
+                        continue;
+                    }
                     let mut out = std::io::stdout().lock();
                     let r = out.write_all(text.as_bytes()).and_then(|_| out.flush());
                     let _ = answer.send(r);
@@ -126,17 +139,34 @@ impl Sink for LogSink {
                 text.push_str(&line(m));
                 text.push('\n');
             }
-            let (answer, written) = oneshot::channel();
-            self.writer.tx.try_send((text, answer)).map_err(|_| {
-                Unavailable::new("standard output: the previous batch is still being written (is anything reading it?)")
-            })?;
-            match tokio::time::timeout(STDOUT_STALL, written).await {
-                Ok(Ok(Ok(()))) => Ok(vec![Outcome::Delivered; batch.len()]),
-                Ok(Ok(Err(e))) => Err(Unavailable::new(format!("standard output: {e}"))),
-                Ok(Err(_)) => Err(Unavailable::new("standard output: the writer thread ended")),
-                Err(_) => Err(Unavailable::new(format!(
-                    "standard output: not read for {STDOUT_STALL:?}"
-                ))),
+            let (answer, mut written) = oneshot::channel();
+            let state = Arc::new(AtomicU8::new(QUEUED));
+            self.writer
+                .tx
+                .try_send((text, state.clone(), answer))
+                .map_err(|_| {
+                    Unavailable::new("standard output: the previous batch is still being written (is anything reading it?)")
+                })?;
+            let result = match tokio::time::timeout(STDOUT_STALL, &mut written).await {
+                Ok(r) => r,
+                // Not started yet: given up, so it is never written (no duplicate).
+                Err(_)
+                    if state
+                        .compare_exchange(QUEUED, CANCELLED, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok() =>
+                {
+                    return Err(Unavailable::new(format!(
+                        "standard output: not read for {STDOUT_STALL:?}"
+                    )));
+                }
+                // Part of it is in the pipe already: it is finished, not abandoned (the engine's
+                // delivery timeout still bounds the wait).
+                Err(_) => written.await,
+            };
+            match result {
+                Ok(Ok(())) => Ok(vec![Outcome::Delivered; batch.len()]),
+                Ok(Err(e)) => Err(Unavailable::new(format!("standard output: {e}"))),
+                Err(_) => Err(Unavailable::new("standard output: the writer thread ended")),
             }
         }
         .boxed()
