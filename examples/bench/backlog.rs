@@ -35,7 +35,7 @@ const BATCH: usize = 100;
 const CLAIMS: usize = 1000;
 const SHAPE_BUDGET: Duration = Duration::from_secs(30);
 
-fn exec(url: &str, sql: &str) {
+pub(crate) fn exec(url: &str, sql: &str) {
     PgConnection::establish(url)
         .unwrap()
         .batch_execute(sql)

@@ -20,6 +20,7 @@
 //! The last lines are machine-readable, one figure a line.
 
 mod backlog;
+mod topics;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -92,7 +93,7 @@ fn args() -> Args {
                     .expect("--status-rows N")
             }
             other => panic!(
-                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|ordered-drain] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|ordered-drain|topics] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
             ),
         }
     }
@@ -737,6 +738,10 @@ async fn main() {
         let u = backlog::ordered_drain_unanalyzed(&a.url).await;
         println!("ordered_drain_ratio={r:.2}");
         println!("ordered_drain_ratio_unanalyzed={u:.2}");
+        return;
+    }
+    if a.only.as_deref() == Some("topics") {
+        topics::run(&a.url).await;
         return;
     }
     if a.only.as_deref() == Some("status") {
