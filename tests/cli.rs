@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{TestDb, hermetic, http_get as get};
+use common::{TestDb, free_port, hermetic, http_get as get};
 use postbox::Message;
 
 const BIN: &str = env!("CARGO_BIN_EXE_postbox");
@@ -553,14 +553,6 @@ fn show_tells_where_a_message_is_and_which_sink_delivered_it() {
         "{}",
         text(&out.stdout)
     );
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn spawn_relay(url: &str, port: u16) -> Child {

@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{TestDb, create_ledger, eventually, http_get, ledger, ledger_writer};
+use common::{TestDb, create_ledger, eventually, free_port, http_get, ledger, ledger_writer};
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use postbox::engine::{Engine, EngineConfig, RunReport};
@@ -836,6 +836,32 @@ async fn a_topic_kafka_refuses_is_held_back_while_the_rest_of_its_route_flows_an
     assert_eq!(broker.consume_ids("missing", 5).len(), 5);
 }
 
+/// Runs an engine that sends every topic through `producer` until `done` holds of its counters
+/// (30 s at most, then fails), stops it and returns its report.
+async fn drain_through(
+    db: &TestDb,
+    producer: Arc<postbox::sink::kafka::SharedProducer>,
+    done: impl Fn(&RunReport) -> bool,
+) -> RunReport {
+    let engine = Engine::builder(&db.url)
+        .sink(KafkaSink::new(producer, Topics::all(), None))
+        .config(config())
+        .build()
+        .await
+        .unwrap();
+    let (stop, task, counters) = start(engine);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            done(&counters.snapshot())
+        })
+        .await,
+        "{:?}",
+        counters.snapshot()
+    );
+    stop.cancel();
+    task.await.unwrap().unwrap()
+}
+
 /// A certificate authority and a broker certificate for 127.0.0.1, made for one test.
 fn test_certificates(dir: &std::path::Path) {
     let script = r#"
@@ -856,14 +882,6 @@ openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key -out other-ca.pem -d
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Kills the child on drop.
@@ -973,23 +991,7 @@ async fn the_kafka_sink_delivers_over_tls_and_refuses_a_broker_it_cannot_verify(
         ]),
     )
     .unwrap();
-    let engine = Engine::builder(&db.url)
-        .sink(KafkaSink::new(untrusted, Topics::all(), None))
-        .config(config())
-        .build()
-        .await
-        .unwrap();
-    let (stop, task, counters) = start(engine);
-    assert!(
-        eventually(Duration::from_secs(30), || async {
-            counters.snapshot().released >= 10
-        })
-        .await,
-        "{:?}",
-        counters.snapshot()
-    );
-    stop.cancel();
-    let report = task.await.unwrap().unwrap();
+    let report = drain_through(&db, untrusted, |r| r.released >= 10).await;
     assert_eq!(
         report.delivered, 0,
         "delivered to a broker it could not verify"
@@ -1005,23 +1007,7 @@ async fn the_kafka_sink_delivers_over_tls_and_refuses_a_broker_it_cannot_verify(
         &properties(&[("security.protocol", "ssl"), ("ssl.ca.location", &ca)]),
     )
     .unwrap();
-    let engine = Engine::builder(&db.url)
-        .sink(KafkaSink::new(trusted, Topics::all(), None))
-        .config(config())
-        .build()
-        .await
-        .unwrap();
-    let (stop, task, counters) = start(engine);
-    assert!(
-        eventually(Duration::from_secs(30), || async {
-            counters.snapshot().delivered == 10
-        })
-        .await,
-        "{:?}",
-        counters.snapshot()
-    );
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    drain_through(&db, trusted, |r| r.delivered == 10).await;
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
     drop((terminator, tansu));
     let _ = std::fs::remove_dir_all(&dir);
@@ -1408,46 +1394,19 @@ async fn a_kafka_route_runs_over_sasl_ssl_with_scram_sha_512() {
     postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
 
     // A wrong password: the broker refuses the session; nothing delivered, no attempt used.
-    let engine = Engine::builder(&db.url)
-        .sink(KafkaSink::new(scram("wrong"), Topics::all(), None))
-        .config(config())
-        .build()
-        .await
-        .unwrap();
-    let (stop, task, counters) = start(engine);
-    assert!(
-        eventually(Duration::from_secs(30), || async {
-            counters.snapshot().released >= 10
-        })
-        .await,
-        "{:?}",
-        counters.snapshot()
+    assert_eq!(
+        drain_through(&db, scram("wrong"), |r| r.released >= 10)
+            .await
+            .delivered,
+        0
     );
-    stop.cancel();
-    assert_eq!(task.await.unwrap().unwrap().delivered, 0);
     assert_eq!(
         db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE attempts = 0"),
         10
     );
 
     // The right one: SCRAM-SHA-512 over TLS, every message acknowledged by the broker.
-    let engine = Engine::builder(&db.url)
-        .sink(KafkaSink::new(scram("s3cret pass"), Topics::all(), None))
-        .config(config())
-        .build()
-        .await
-        .unwrap();
-    let (stop, task, counters) = start(engine);
-    assert!(
-        eventually(Duration::from_secs(30), || async {
-            counters.snapshot().delivered == 10
-        })
-        .await,
-        "{:?}",
-        counters.snapshot()
-    );
-    stop.cancel();
-    task.await.unwrap().unwrap();
+    drain_through(&db, scram("s3cret pass"), |r| r.delivered == 10).await;
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -247,6 +247,15 @@ where
     }
 }
 
+/// A port of 127.0.0.1 nothing listens on now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// `GET path` on 127.0.0.1:`port`: the status code and the body, or None if nothing answers.
 pub fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     use std::io::{Read, Write};
