@@ -166,6 +166,8 @@ pub(crate) struct SinkHealth {
     paused_until: Mutex<Option<Instant>>,
     /// Topics the sink refused, with the refusals in a row and until when they are held back.
     topics: Mutex<HashMap<String, (u32, Instant)>>,
+    /// Whether `topics` has any entry: read without the lock on every claim and delivery.
+    any_refused: std::sync::atomic::AtomicBool,
     max: Duration,
 }
 
@@ -176,6 +178,7 @@ impl SinkHealth {
             down: Mutex::new(None),
             paused_until: Mutex::new(None),
             topics: Mutex::new(HashMap::new()),
+            any_refused: std::sync::atomic::AtomicBool::new(false),
             max,
         }
     }
@@ -219,16 +222,25 @@ impl SinkHealth {
         let n = held.get(topic).map_or(0, |(n, _)| *n);
         let pause = (Duration::from_millis(500) * 2u32.saturating_pow(n.min(20))).min(self.max);
         held.insert(topic.to_owned(), (n + 1, Instant::now() + pause));
+        self.any_refused.store(true, Ordering::Release);
         tracing::warn!(topic, reason, pause = ?pause, "topic refused by the sink; its messages are handed back and it is not claimed meanwhile");
     }
     fn topic_up(&self, topic: &str) {
         let mut held = self.topics.lock().expect("health lock");
-        if !held.is_empty() && held.remove(topic).is_some() {
+        if held.remove(topic).is_some() {
             tracing::info!(topic, "topic accepted by the sink again");
+            self.any_refused.store(!held.is_empty(), Ordering::Release);
         }
+    }
+    /// True if the sink has refused some topic and not accepted it since.
+    fn any_refused(&self) -> bool {
+        self.any_refused.load(Ordering::Acquire)
     }
     /// Topics held back now.
     pub(crate) fn held_topics(&self) -> Vec<String> {
+        if !self.any_refused() {
+            return Vec::new();
+        }
         let held = self.topics.lock().expect("health lock");
         if held.is_empty() {
             return Vec::new();
@@ -666,7 +678,12 @@ pub(crate) async fn deliver_chunk(
     let kinds: Vec<SettleKind> = match result {
         Ok(Ok(outcomes)) if outcomes.len() == n => {
             health.up(observer, sink.name());
-            for ((_, topic, ..), outcome) in meta.iter().zip(&outcomes) {
+            // Per-topic refusals: looked at only when there are any (not per message otherwise).
+            let refusals = health.any_refused()
+                || outcomes
+                    .iter()
+                    .any(|o| matches!(o, Outcome::TopicUnavailable { .. }));
+            for ((_, topic, ..), outcome) in meta.iter().zip(&outcomes).filter(|_| refusals) {
                 match outcome {
                     Outcome::TopicUnavailable { reason } => health.topic_down(topic, reason),
                     Outcome::Delivered => health.topic_up(topic),
