@@ -39,7 +39,11 @@ async fn a_hold_locks_its_batch_deletes_the_delivered_and_leases_the_rest() {
     let store = db.store().await;
     let topics = Topics::exact(["t"]);
 
-    let hold = store.take(6, HOLD, &topics, &[], 0).await.unwrap().unwrap();
+    let hold = store
+        .take(6, HOLD, &topics, None, 0)
+        .await
+        .unwrap()
+        .unwrap();
     store.register_hold(&hold).await.unwrap();
     let held: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
     assert_eq!(held, ids[..6]);
@@ -54,7 +58,7 @@ async fn a_hold_locks_its_batch_deletes_the_delivered_and_leases_the_rest() {
     assert_eq!(other_ids, ids[6..]);
     assert!(
         store
-            .take(100, HOLD, &topics, &[], 0)
+            .take(100, HOLD, &topics, None, 0)
             .await
             .unwrap()
             .is_none()
@@ -92,7 +96,7 @@ async fn a_hold_that_never_commits_uses_its_attempt_until_the_message_is_dead_le
     let topics = Topics::exact(["t"]);
     for attempt in 1..=2 {
         let hold = store
-            .take(10, HOLD, &topics, &[], 0)
+            .take(10, HOLD, &topics, None, 0)
             .await
             .unwrap()
             .unwrap();
@@ -136,7 +140,7 @@ async fn holds_take_ordered_heads_only_and_their_delivery_promotes_the_next() {
     let topics = Topics::exact(["o"]);
     for id in ids {
         let hold = store
-            .take(10, HOLD, &topics, &[], 0)
+            .take(10, HOLD, &topics, None, 0)
             .await
             .unwrap()
             .unwrap();
@@ -147,7 +151,7 @@ async fn holds_take_ordered_heads_only_and_their_delivery_promotes_the_next() {
     }
     assert!(
         store
-            .take(10, HOLD, &topics, &[], 0)
+            .take(10, HOLD, &topics, None, 0)
             .await
             .unwrap()
             .is_none()
@@ -163,7 +167,11 @@ async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_t
     let topics = Topics::exact(["t"]);
 
     // Unregistered: its loss could not be counted, so it may not commit.
-    let hold = store.take(1, HOLD, &topics, &[], 0).await.unwrap().unwrap();
+    let hold = store
+        .take(1, HOLD, &topics, None, 0)
+        .await
+        .unwrap()
+        .unwrap();
     let id = hold.messages[0].id;
     assert!(store.end_hold(hold, &[id], &[], LEASE, 0).await.is_err());
     assert!(
@@ -172,7 +180,11 @@ async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_t
     );
 
     // A hold that ends later than its start leases for the full lease from its end.
-    let hold = store.take(2, HOLD, &topics, &[], 0).await.unwrap().unwrap();
+    let hold = store
+        .take(2, HOLD, &topics, None, 0)
+        .await
+        .unwrap()
+        .unwrap();
     store.register_hold(&hold).await.unwrap();
     let ids: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
     tokio::time::sleep(Duration::from_millis(1_500)).await; // time passing, not a race
@@ -195,9 +207,8 @@ async fn a_take_after_a_position_starts_there_on_one_topic_or_several() {
     let ids = |h: &postbox::store::Hold| h.messages.iter().map(|m| m.id).collect::<Vec<_>>();
 
     // One topic (the inline statement).
-    let after = [("a".to_owned(), 0i16, a[1])];
     let hold = store
-        .take(10, HOLD, &Topics::exact(["a"]), &after, 0)
+        .take(10, HOLD, &Topics::exact(["a"]), Some((0, a[1])), 0)
         .await
         .unwrap()
         .unwrap();
@@ -205,19 +216,22 @@ async fn a_take_after_a_position_starts_there_on_one_topic_or_several() {
     drop(hold);
     unlocked(&db, 8).await;
 
-    // Several topics (postbox.take): each after its own position, the others from the front;
-    // the second pass of a topic continues after its first (no row twice).
-    let after = [("b".to_owned(), 0i16, b[2])];
+    // Several topics (postbox.pick): after the position in the claim order, whatever the topic.
     let hold = store
-        .take(10, HOLD, &Topics::exact(["a", "b"]), &after, 0)
+        .take(10, HOLD, &Topics::exact(["a", "b"]), Some((0, b[1])), 0)
         .await
         .unwrap()
         .unwrap();
-    let mut got = ids(&hold);
-    got.sort_unstable();
-    let mut want: Vec<i64> = a.iter().chain(&b[3..]).copied().collect();
-    want.sort_unstable();
-    assert_eq!(got, want);
+    assert_eq!(ids(&hold), b[2..]);
+    drop(hold);
+    unlocked(&db, 8).await;
+    let hold = store
+        .take(10, HOLD, &Topics::only(["*"]), Some((0, a[2])), 0)
+        .await
+        .unwrap()
+        .unwrap();
+    let want: Vec<i64> = a[3..].iter().chain(&b).copied().collect();
+    assert_eq!(ids(&hold), want);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -231,7 +245,7 @@ async fn a_delivered_head_hands_the_next_of_its_key_over_to_the_holder() {
     );
     let store = db.store().await;
     let hold = store
-        .take(10, HOLD, &Topics::exact(["o"]), &[], 0)
+        .take(10, HOLD, &Topics::exact(["o"]), None, 0)
         .await
         .unwrap()
         .unwrap();
@@ -301,7 +315,7 @@ async fn a_hold_takes_the_messages_behind_its_ordered_heads_in_order_and_settles
 
     // Four ordered heads share 8 followers: two each, at most.
     let hold = store
-        .take(10, HOLD, &topics, &[], 8)
+        .take(10, HOLD, &topics, None, 8)
         .await
         .unwrap()
         .unwrap();
@@ -314,7 +328,7 @@ async fn a_hold_takes_the_messages_behind_its_ordered_heads_in_order_and_settles
     assert_eq!(state(&db, a[1]), "waiting");
     assert!(
         store
-            .take(10, HOLD, &topics, &[], 8)
+            .take(10, HOLD, &topics, None, 8)
             .await
             .unwrap()
             .is_none()

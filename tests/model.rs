@@ -169,7 +169,7 @@ async fn claim_and_settle(world: &World, w: usize, store: &Store, rng: &mut fast
 async fn hold(world: &World, w: usize, store: &Store, rng: &mut fastrand::Rng) {
     let topics = Topics::exact(["m", "u"]);
     let hold = match store
-        .take(rng.usize(1..6), HOLD_LIMIT, &topics, &[], rng.usize(0..5))
+        .take(rng.usize(1..6), HOLD_LIMIT, &topics, None, rng.usize(0..5))
         .await
     {
         Ok(Some(h)) => h,

@@ -453,7 +453,7 @@ async fn a_replay_commit_does_not_wait_for_a_held_head_and_goes_behind_it() {
     blocked(&db, "advisory", 1).await;
     store.complete(&[head[0].lease()]).await.unwrap();
     let hold = store
-        .take(10, Duration::from_secs(30), &topics(), &[], 0)
+        .take(10, Duration::from_secs(30), &topics(), None, 0)
         .await
         .unwrap()
         .unwrap();

@@ -14,7 +14,7 @@ mod durations;
 mod jobs;
 mod redact;
 pub use durations::parse_duration;
-use durations::{duration_map, opt_duration};
+use durations::{duration_map, opt_bytes, opt_duration};
 pub use jobs::{LimitSection, RetentionSection, ScheduleSection};
 pub use redact::{is_secret, redact_url, redact_values};
 
@@ -92,6 +92,10 @@ pub struct RelaySection {
     /// (`"0s"`: always lease).
     #[serde(default, with = "opt_duration")]
     pub hold_limit: Option<Duration>,
+    /// Bytes of claimed messages in memory at once across the relay's routes (`"64MiB"`, a
+    /// number of bytes; `0`: no limit).
+    #[serde(default, with = "opt_bytes", skip_serializing_if = "Option::is_none")]
+    pub payload_budget: Option<usize>,
 }
 
 /// `[metrics]`.
@@ -102,6 +106,9 @@ pub struct MetricsSection {
     pub listen: Option<String>,
     #[serde(default, with = "opt_duration")]
     pub sample_interval: Option<Duration>,
+    /// How many topics get series of their own (the largest; the others count under the label
+    /// value `(other)`). Default 50: about 30 series a topic.
+    pub max_topics: Option<usize>,
 }
 
 /// `[sinks]`.
@@ -196,6 +203,8 @@ pub struct Settings {
     pub engine: EngineConfig,
     pub metrics_listen: SocketAddr,
     pub sample_interval: Duration,
+    /// `metrics.max_topics`.
+    pub metrics_max_topics: usize,
     pub kafka: Option<KafkaSink>,
     pub routes: Vec<Route>,
     /// Validated: each builds its [`crate::CronSchedule`].
@@ -318,6 +327,9 @@ impl Config {
             .map(|(k, d)| (k.clone(), *d))
             .collect();
         engine.hold_limit = r.hold_limit.unwrap_or(defaults::DEFAULT_HOLD_LIMIT);
+        engine.payload_budget = r
+            .payload_budget
+            .unwrap_or(crate::engine::DEFAULT_PAYLOAD_BUDGET);
         engine.keep_completed = self.retention.keep_completed;
         engine.validate().map_err(|e| match e {
             crate::Error::InvalidArgument {
@@ -416,6 +428,10 @@ impl Config {
             engine,
             metrics_listen,
             sample_interval,
+            metrics_max_topics: self
+                .metrics
+                .max_topics
+                .unwrap_or(crate::metrics::DEFAULT_MAX_TOPICS),
             kafka: self.sinks.kafka,
             routes,
             schedules: self.schedules,

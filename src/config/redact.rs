@@ -121,10 +121,12 @@ impl Settings {
                 delivery_timeout: Some(self.engine.delivery_timeout),
                 topic_timeouts: self.engine.topic_timeouts.iter().cloned().collect(),
                 hold_limit: Some(self.engine.hold_limit),
+                payload_budget: Some(self.engine.payload_budget),
             },
             metrics: MetricsSection {
                 listen: Some(self.metrics_listen.to_string()),
                 sample_interval: Some(self.sample_interval),
+                max_topics: Some(self.metrics_max_topics),
             },
             sinks: SinksSection {
                 kafka: self.kafka.as_ref().map(|k| KafkaSink {

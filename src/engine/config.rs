@@ -110,6 +110,11 @@ pub struct EngineConfig {
     /// once its hour ended this long ago), so `postbox show ID` can tell when and by which sink a
     /// message was delivered. `None` (the default): delivered messages are deleted.
     pub keep_completed: Option<Duration>,
+    /// Bytes of claimed messages in memory at once, about (payloads as decoded): claims and holds
+    /// take fewer messages when messages are large. A message larger than the budget is still
+    /// delivered, alone. 0: no limit (the batch size and concurrency alone bound what is in
+    /// flight). Default [`DEFAULT_PAYLOAD_BUDGET`](super::DEFAULT_PAYLOAD_BUDGET), 64 MiB.
+    pub payload_budget: usize,
 }
 
 impl Default for EngineConfig {
@@ -132,6 +137,7 @@ impl Default for EngineConfig {
             topic_timeouts: Vec::new(),
             hold_limit: DEFAULT_HOLD_LIMIT,
             keep_completed: None,
+            payload_budget: super::budget::DEFAULT_PAYLOAD_BUDGET,
         }
     }
 }

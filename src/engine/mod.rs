@@ -19,6 +19,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod budget;
 mod completer;
 pub mod config;
 pub mod cron;
@@ -37,6 +38,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+pub use self::budget::{DEFAULT_PAYLOAD_BUDGET, PayloadBudget};
 pub use self::config::EngineConfig;
 pub use self::maintenance::{REPAIR_BATCH, Rescuer, Scheduler};
 pub use self::observer::{Counters, NoObserver, Observer, RunReport, Settlement};
@@ -64,9 +66,17 @@ pub struct EngineBuilder {
     listen: bool,
     schedules: Vec<CronSchedule>,
     limits: Vec<Limit>,
+    budget: Option<Arc<PayloadBudget>>,
 }
 
 impl EngineBuilder {
+    /// Shares this payload budget with other engines (a relay's routes share one); without it
+    /// the engine has one of its own, of [`EngineConfig::payload_budget`] bytes.
+    pub fn payload_budget(mut self, budget: Arc<PayloadBudget>) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
     /// Uses this store (and its pool) instead of opening a pool of its own.
     pub fn store(mut self, store: Store) -> Self {
         self.store = Some(store);
@@ -220,6 +230,9 @@ impl EngineBuilder {
             store.prepare_completed().await?;
             store = store.with_archive(sink.name());
         }
+        let budget = self
+            .budget
+            .unwrap_or_else(|| PayloadBudget::new(self.config.payload_budget));
         Ok(Engine {
             store,
             sink,
@@ -230,6 +243,7 @@ impl EngineBuilder {
             listen: self.listen,
             schedules: self.schedules,
             limits: self.limits,
+            budget,
         })
     }
 }
@@ -253,6 +267,7 @@ pub struct Engine {
     listen: bool,
     schedules: Vec<CronSchedule>,
     limits: Vec<Limit>,
+    budget: Arc<PayloadBudget>,
 }
 
 impl Engine {
@@ -270,6 +285,7 @@ impl Engine {
             listen: true,
             schedules: Vec::new(),
             limits: Vec::new(),
+            budget: None,
         }
     }
 
@@ -410,6 +426,7 @@ impl Engine {
             rate: producer::ClaimRate::new(),
             hand_over: hand_over.clone(),
             holds: Arc::new(tokio::sync::Semaphore::new(config::MAX_HOLDS)),
+            budget: self.budget.clone(),
         });
         let mut loops = tokio::task::JoinSet::new();
         for _ in 0..self.config.claimers {

@@ -31,11 +31,11 @@ const FOLLOWERS_PER_MESSAGE: usize = 16;
 /// `Store::take`); this long after it last took from the front, it takes from the front again.
 const REWIND: Duration = Duration::from_millis(50);
 
-/// Where a claim loop's last take ended, per topic, while its holds are in flight; and whether
+/// Where a claim loop's last take ended in the claim order, while its holds are in flight; and whether
 /// its last claim was full (a backlog: holds pay off; a trickle of small claims leases, which costs
 /// one round trip and one commit less per claim).
 struct Cursor {
-    after: Vec<(String, i16, i64)>,
+    after: Option<(i16, i64)>,
     lap: Instant,
     backlog: bool,
     /// The last take came with messages behind its ordered heads.
@@ -45,7 +45,7 @@ struct Cursor {
 impl Cursor {
     fn new() -> Self {
         Cursor {
-            after: Vec::new(),
+            after: None,
             lap: Instant::now(),
             // A relay that starts meets a backlog more often than not; one short claim ends it.
             backlog: true,
@@ -53,15 +53,15 @@ impl Cursor {
         }
     }
 
-    /// The positions to take after now (none: from the front, and a new lap starts).
-    fn positions(&mut self, holds_in_flight: bool) -> &[(String, i16, i64)] {
+    /// The position to take after now (none: from the front, and a new lap starts).
+    fn position(&mut self, holds_in_flight: bool) -> Option<(i16, i64)> {
         if !holds_in_flight || self.lap.elapsed() >= REWIND {
-            self.after.clear();
+            self.after = None;
         }
-        if self.after.is_empty() {
+        if self.after.is_none() {
             self.lap = Instant::now();
         }
-        &self.after
+        self.after
     }
 
     /// After a take of `batch` out of `want`: a short take reached the end, the next starts
@@ -69,16 +69,11 @@ impl Cursor {
     fn advance(&mut self, batch: &[ClaimedMessage], want: usize) {
         self.backlog = batch.len() >= want;
         if batch.len() < want {
-            self.after.clear();
+            self.after = None;
             return;
         }
-        for m in batch {
-            match self.after.iter_mut().find(|(t, _, _)| *t == m.topic) {
-                Some(p) if (p.1, p.2) < (m.priority, m.id) => (p.1, p.2) = (m.priority, m.id),
-                Some(_) => {}
-                None => self.after.push((m.topic.clone(), m.priority, m.id)),
-            }
-        }
+        let last = batch.iter().map(|m| (m.priority, m.id)).max();
+        self.after = self.after.max(last);
     }
 }
 
@@ -318,6 +313,8 @@ pub(crate) struct Producer {
     pub hand_over: Arc<HandOver>,
     /// Held batches in flight at most (each keeps a pool connection in a transaction).
     pub holds: Arc<Semaphore>,
+    /// Bytes of claimed messages in flight (shared by a relay's engines).
+    pub budget: Arc<super::PayloadBudget>,
 }
 
 impl Producer {
@@ -351,6 +348,15 @@ impl Producer {
             if let Some(until) = self.health.paused_until() {
                 tokio::select! {
                     _ = tokio::time::sleep_until(until.into()) => {}
+                    _ = self.shutdown.cancelled() => {}
+                }
+                continue;
+            }
+            // Large messages fill the payload budget before the permits run out.
+            if self.budget.room(1) == 0 {
+                tokio::select! {
+                    _ = self.budget.freed() => {}
+                    _ = self.hand_over.queued.notified() => {}
                     _ = self.shutdown.cancelled() => {}
                 }
                 continue;
@@ -478,6 +484,8 @@ impl Producer {
         tasks: &mut JoinSet<()>,
         cursor: &mut Cursor,
     ) -> crate::Result<usize> {
+        // As many as the payload budget holds now (at least one: the caller saw room).
+        let want = self.budget.room(want).max(1);
         let claimable = self.pauses.topics();
         // Topics the sink refused lately are left alone meanwhile; the others flow.
         let held = self.health.held_topics();
@@ -528,7 +536,7 @@ impl Producer {
                 want
             };
             let in_flight = self.holds.available_permits() + 1 < MAX_HOLDS;
-            let after = cursor.positions(in_flight);
+            let after = cursor.position(in_flight);
             let Some(hold) = self
                 .store
                 .take(
@@ -536,7 +544,11 @@ impl Producer {
                     self.config.hold_limit,
                     topics,
                     after,
-                    want * FOLLOWERS_PER_MESSAGE,
+                    (want * FOLLOWERS_PER_MESSAGE).min(
+                        self.budget
+                            .room(want * (FOLLOWERS_PER_MESSAGE + 1))
+                            .saturating_sub(want),
+                    ),
                 )
                 .await?
             else {
@@ -558,8 +570,15 @@ impl Producer {
             let permits = reserved
                 .split(got.div_ceil(chunk))
                 .expect("a permit was reserved for every chunk");
-            // Registered, delivered and ended by a task of its own: the claim loop goes on.
-            tasks.spawn(super::held::run(self.clone(), hold, chunk, permits, slot));
+            // Registered, delivered and ended by a task of its own: the claim loop goes on. Its
+            // messages weigh on the budget until it ends.
+            let charge = self.budget.charge(&hold.messages);
+            let followers = self.budget.charge(&hold.followers);
+            let run = super::held::run(self.clone(), hold, chunk, permits, slot);
+            tasks.spawn(async move {
+                run.await;
+                drop((charge, followers));
+            });
             return Ok(limited + got);
         }
         let batch = self.store.claim(want, self.config.lease, topics).await?;
@@ -599,7 +618,12 @@ impl Producer {
     ) {
         self.inflight.add(&batch); // again for handed-over batches: no harm
         for (part, permit) in chunks(batch, chunk, reserved) {
-            tasks.spawn(deliver(self.clone(), part, permit));
+            let charge = self.budget.charge(&part);
+            let delivery = deliver(self.clone(), part, permit);
+            tasks.spawn(async move {
+                delivery.await;
+                drop(charge);
+            });
         }
     }
 

@@ -44,6 +44,9 @@ pub enum Command {
     Status {
         #[arg(long)]
         json: bool,
+        /// Every topic in the table (by default the 20 largest, and a line for the rest).
+        #[arg(long)]
+        all: bool,
     },
     /// What the state model forbids (stranded ordered keys, keys with two heads, holds past
     /// their limit); exit 1 when any is found.
@@ -160,7 +163,7 @@ pub async fn execute(cli: Cli) -> Result<(), RelayError> {
             signals(shutdown.clone(), hard_stop.clone());
             super::run(settings, drain, shutdown, hard_stop).await?;
         }
-        Command::Status { json } => super::status::run(&settings, json).await?,
+        Command::Status { json, all } => super::status::run(&settings, json, all).await?,
         Command::Check { json } => super::check::run(&settings, json).await?,
         Command::Dead(command) => super::dead::run(&settings, command).await?,
         Command::Enqueue(args) => super::enqueue::run(&settings, args).await?,

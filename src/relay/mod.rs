@@ -238,7 +238,7 @@ pub async fn run(
     let mut names: Vec<&str> = sinks.iter().map(|s| s.name()).collect();
     names.sort_unstable();
     names.dedup();
-    let metrics = Metrics::new(&names);
+    let metrics = Metrics::with_max_topics(&names, settings.metrics_max_topics);
     metrics.routes(
         sinks
             .iter()
@@ -265,9 +265,12 @@ pub async fn run(
         shutdown.clone(),
     ));
     let mut engines = Vec::new();
+    // One payload budget for every route: the relay's memory, not each route's.
+    let budget = crate::engine::PayloadBudget::new(settings.engine.payload_budget);
     for sink in sinks {
         let mut builder = Engine::builder(&settings.database_url)
             .store(store.clone())
+            .payload_budget(budget.clone())
             .sink_arc(sink)
             .config(settings.engine.clone())
             .drain(drain)

@@ -4,8 +4,12 @@ use super::printable;
 use super::{RelayError, Result};
 use crate::config::Settings;
 
-/// Prints the status, as a table or (`json`) as one JSON object.
-pub async fn run(settings: &Settings, json: bool) -> Result<()> {
+/// Topics the table shows unless `--all`: the largest, by messages in the table and dead letters.
+const TOP_TOPICS: usize = 20;
+
+/// Prints the status, as a table or (`json`) as one JSON object (every topic); the table shows
+/// the [`TOP_TOPICS`] largest topics and a line for the rest, unless `all`.
+pub async fn run(settings: &Settings, json: bool, all: bool) -> Result<()> {
     let store = super::admin_store(settings).await?;
     let stats = store
         .stats()
@@ -60,21 +64,84 @@ pub async fn run(settings: &Settings, json: bool) -> Result<()> {
             "TOPIC", "AVAILABLE", "SCHEDULED", "RUNNING", "WAITING", "DEAD", "OLDEST (s)", "PAUSED"
         );
         let approx = if stats.estimated { "~" } else { "" };
-        for t in &stats.topics {
-            let oldest = t
-                .oldest_available_secs
-                .map_or("-".to_owned(), |s| format!("{s:.1}"));
+        let size = |t: &crate::store::TopicStats| {
+            t.available + t.scheduled + t.running + t.waiting + t.dead
+        };
+        let mut topics: Vec<&crate::store::TopicStats> = stats.topics.iter().collect();
+        if !all && topics.len() > TOP_TOPICS {
+            topics.sort_by(|a, b| size(b).cmp(&size(a)).then_with(|| a.topic.cmp(&b.topic)));
+        }
+        let shown = if all {
+            topics.len()
+        } else {
+            TOP_TOPICS.min(topics.len())
+        };
+        let row = |name: &str, t: [i64; 5], oldest: String, paused: &str| {
             let n = |v: i64| format!("{approx}{v}");
             println!(
                 "{:<32} {:>10} {:>10} {:>10} {:>10} {:>10} {:>14} {:>7}",
-                printable(&t.topic),
-                n(t.available),
-                n(t.scheduled),
-                t.running,
-                n(t.waiting),
-                n(t.dead),
+                name,
+                n(t[0]),
+                n(t[1]),
+                t[2],
+                n(t[3]),
+                n(t[4]),
                 oldest,
-                if is_paused(&t.topic) { "yes" } else { "" }
+                paused
+            );
+        };
+        let counts =
+            |t: &crate::store::TopicStats| [t.available, t.scheduled, t.running, t.waiting, t.dead];
+        for t in &topics[..shown] {
+            let oldest = t
+                .oldest_available_secs
+                .map_or("-".to_owned(), |s| format!("{s:.1}"));
+            row(
+                &printable(&t.topic),
+                counts(t),
+                oldest,
+                if is_paused(&t.topic) { "yes" } else { "" },
+            );
+        }
+        let sum = |ts: &[&crate::store::TopicStats]| {
+            ts.iter().fold([0i64; 5], |mut acc, t| {
+                for (a, v) in acc.iter_mut().zip(counts(t)) {
+                    *a += v;
+                }
+                acc
+            })
+        };
+        let oldest_of = |ts: &[&crate::store::TopicStats]| {
+            ts.iter()
+                .filter_map(|t| t.oldest_available_secs)
+                .max_by(f64::total_cmp)
+                .map_or("-".to_owned(), |s| format!("{s:.1}"))
+        };
+        let rest = &topics[shown..];
+        if !rest.is_empty() {
+            let paused_rest = rest.iter().filter(|t| is_paused(&t.topic)).count();
+            row(
+                &format!("({} more topics)", rest.len()),
+                sum(rest),
+                oldest_of(rest),
+                &if paused_rest > 0 {
+                    paused_rest.to_string()
+                } else {
+                    String::new()
+                },
+            );
+        }
+        if topics.len() > 1 {
+            row(
+                &format!("TOTAL ({} topics)", topics.len()),
+                sum(&topics),
+                oldest_of(&topics),
+                "",
+            );
+        }
+        if !rest.is_empty() {
+            println!(
+                "(the {shown} largest topics; postbox status --all for every topic, --json for all of it)"
             );
         }
         if stats.estimated {

@@ -320,26 +320,6 @@ SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, ma
 FROM postbox.claim_topic($1, $2, $3, $4, $5)
 "#;
 
-/// The statement inside `postbox.claim_topic` (one topic's claim), as deployed.
-const CLAIM_TOPIC_BODY: &str = "SELECT prosrc AS body FROM pg_proc WHERE oid = 'postbox.claim_topic(text, integer, double precision, bigint, text)'::regprocedure";
-
-/// The topics `postbox.claim` would claim from now.
-const AVAILABLE_TOPICS: &str = "SELECT postbox.available_topics($1, $2, $3, $4, $5) AS topics";
-
-/// Parameters of `postbox.claim_topic`, in order (longest first where one is a prefix of another).
-const CLAIM_TOPIC_PARAMS: [&str; 5] = ["p_topic", "p_batch", "p_lease_secs", "p_token", "p_owner"];
-
-/// Extracts the statement after `RETURN QUERY` and numbers its parameters.
-fn claim_statement(body: &str) -> Option<String> {
-    let start = body.find("RETURN QUERY")? + "RETURN QUERY".len();
-    let stmt = body[start..].split(';').next()?;
-    let mut out = stmt.to_owned();
-    for (i, p) in CLAIM_TOPIC_PARAMS.iter().enumerate() {
-        out = out.replace(p, &format!("${}", i + 1));
-    }
-    Some(out)
-}
-
 impl Store {
     /// Leases up to `batch` claimable messages of `topics` for `lease`, in (priority, id) order.
     /// Each claim uses one attempt.
@@ -387,60 +367,6 @@ impl Store {
             .await?;
         rows.sort_unstable_by_key(|m| (m.priority, m.id));
         Ok(rows)
-    }
-
-    /// `EXPLAIN (ANALYZE, BUFFERS)` of the claim as deployed: for every topic the claim would
-    /// take messages from now, the plan of the one-topic claim statement (`postbox.claim_topic`)
-    /// with the function's planner settings, each under a `-- topic NAME` line. Run in a
-    /// transaction that is rolled back: nothing is claimed. For operators, and for the tests that
-    /// keep the plans honest.
-    pub async fn explain_claim(&self, batch: usize, topics: &Topics) -> Result<String> {
-        #[derive(QueryableByName)]
-        struct Body {
-            #[diesel(sql_type = Text)]
-            body: String,
-        }
-        #[derive(QueryableByName)]
-        struct Busy {
-            #[diesel(sql_type = Array<Text>)]
-            topics: Vec<String>,
-        }
-        let mut conn = self.conn().await?;
-        let body: Body = diesel::sql_query(CLAIM_TOPIC_BODY)
-            .get_result(&mut conn)
-            .await?;
-        let statement = claim_statement(&body.body)
-            .ok_or_else(|| Error::Migration("postbox.claim_topic has no RETURN QUERY".into()))?;
-        let busy: Busy = diesel::sql_query(AVAILABLE_TOPICS)
-            .bind::<Bool, _>(topics.all)
-            .bind::<Array<Text>, _>(&topics.exact)
-            .bind::<Array<Text>, _>(&topics.like)
-            .bind::<Array<Text>, _>(&topics.not_exact)
-            .bind::<Array<Text>, _>(&topics.not_like)
-            .get_result(&mut conn)
-            .await?;
-        let sql = format!("EXPLAIN (ANALYZE, BUFFERS) {statement}");
-        let mut plan = String::new();
-        super::explain::rolled_back(&mut conn, async |conn| {
-            use diesel_async::SimpleAsyncConnection;
-            conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off")
-                .await?;
-            for topic in &busy.topics {
-                let lines: Vec<super::explain::PlanLine> = diesel::sql_query(&sql)
-                    .bind::<Text, _>(topic)
-                    .bind::<Integer, _>(i32::try_from(batch).unwrap_or(i32::MAX))
-                    .bind::<Double, _>(30.0)
-                    .bind::<BigInt, _>(0)
-                    .bind::<Text, _>("explain")
-                    .load(conn)
-                    .await?;
-                plan.push_str(&format!("-- topic {topic}\n"));
-                plan.extend(lines.into_iter().map(|l| l.line + "\n"));
-            }
-            Ok(())
-        })
-        .await?;
-        Ok(plan)
     }
 }
 

@@ -2,13 +2,14 @@
 //! slow, and for the tests that keep the plans honest over backlogs.
 
 use diesel::QueryableByName;
-use diesel::sql_types::{Array, BigInt, Double, Integer, Nullable, Text};
+use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Nullable, SmallInt, Text};
+use diesel_async::SimpleAsyncConnection;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
 use super::hold::{FOLLOWERS, HeldRow, SETTLE, TAKE_ONE};
 use super::settle::{COMPLETE, COMPLETE_KEEP, DEAD_LETTER, EXTEND, RELEASE, RETRY};
-use super::{Lease, Store, split};
-use crate::error::Result;
+use super::{Lease, Store, Topics, split};
+use crate::error::{Error, Result};
 
 /// One of the statements that settle leased messages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,7 +126,6 @@ impl Store {
         let mut conn = self.conn().await?;
         let mut plan = String::new();
         rolled_back(&mut conn, async |conn| {
-            use diesel_async::SimpleAsyncConnection;
             conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off")
                 .await?;
             let take = |sql: &str| {
@@ -175,6 +175,201 @@ impl Store {
                     .await?;
             plan.push_str("-- settle\n");
             plan.extend(lines.into_iter().map(|l| l.line + "\n"));
+            Ok(())
+        })
+        .await?;
+        Ok(plan)
+    }
+}
+
+/// The statements of the claim functions as deployed, marked in their source by a line
+/// `-- explain: NAME` (the claim of one topic named exactly has one statement, after
+/// `RETURN QUERY`).
+const FUNCTION_SOURCE: &str = "SELECT prosrc AS body FROM pg_proc WHERE oid = $1::regprocedure";
+const PICK: &str =
+    "postbox.pick(integer, boolean, text[], text[], text[], text[], smallint, bigint)";
+const CLAIM_TOPIC: &str = "postbox.claim_topic(text, integer, double precision, bigint, text)";
+const NARROW: &str = "SELECT postbox.narrow_topics($1, $2, $3, $4, $5, 16) AS topics";
+
+/// The statement of `body` after the line `-- explain: NAME` (or after `RETURN QUERY` when
+/// `name` is empty), without its `RETURN QUERY` and `INTO` parts, its variables numbered as
+/// `vars` says (`$1` for the first).
+fn marked_statement(body: &str, name: &str, vars: &[&str]) -> Option<String> {
+    let start = if name.is_empty() {
+        body.find("RETURN QUERY")?
+    } else {
+        let marker = format!("-- explain: {name}\n");
+        body.find(&marker)? + marker.len()
+    };
+    let stmt = body[start..].split(';').next()?;
+    let mut out: String = stmt
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("INTO "))
+        .collect::<Vec<_>>()
+        .join("\n")
+        .replace("RETURN QUERY", "");
+    for (i, var) in vars.iter().enumerate() {
+        out = replace_word(&out, var, &format!("${}", i + 1));
+    }
+    Some(out)
+}
+
+/// `text` with every `word` that stands alone (not part of a longer identifier) replaced.
+fn replace_word(text: &str, word: &str, with: &str) -> String {
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(word) {
+        let before = rest[..at].chars().next_back();
+        let after = rest[at + word.len()..].chars().next();
+        out.push_str(&rest[..at]);
+        if before.is_some_and(ident) || after.is_some_and(ident) {
+            out.push_str(word);
+        } else {
+            out.push_str(with);
+        }
+        rest = &rest[at + word.len()..];
+    }
+    out.push_str(rest);
+    out
+}
+
+#[derive(QueryableByName)]
+struct Body {
+    #[diesel(sql_type = Text)]
+    body: String,
+}
+
+#[derive(QueryableByName)]
+struct Narrow {
+    #[diesel(sql_type = Nullable<Array<Text>>)]
+    topics: Option<Vec<String>>,
+}
+
+#[derive(QueryableByName)]
+struct Window {
+    #[diesel(sql_type = Nullable<Array<BigInt>>)]
+    ids: Option<Vec<i64>>,
+}
+
+/// The variables of `postbox.pick`'s marked statements, in the order they are bound.
+const PICK_VARS: [&str; 12] = [
+    "v_priority",
+    "v_id",
+    "v_batch - v_got",
+    "v_batch",
+    "p_all_topics",
+    "p_topics",
+    "p_patterns",
+    "p_not_topics",
+    "p_not_patterns",
+    "v_topics",
+    "v_window",
+    "v_ids",
+];
+
+impl Store {
+    /// `EXPLAIN (ANALYZE, BUFFERS)` of the claim as deployed, from the front of the claim order:
+    /// the statements `postbox.pick` runs for this filter (see the migration `claim_order`), each
+    /// under a `-- NAME` line, with the function's planner settings; for one topic named
+    /// exactly, the statement of `postbox.claim_topic`. Run in a transaction that is rolled back:
+    /// nothing is claimed. For operators, and for the tests that keep the plans honest.
+    pub async fn explain_claim(&self, batch: usize, topics: &Topics) -> Result<String> {
+        let mut conn = self.conn().await?;
+        let batch = i32::try_from(batch).unwrap_or(i32::MAX);
+        let source = async |conn: &mut AsyncPgConnection, f: &str| {
+            diesel::sql_query(FUNCTION_SOURCE)
+                .bind::<Text, _>(f)
+                .get_result::<Body>(conn)
+                .await
+                .map(|b| b.body)
+        };
+        let missing = |what: &str| Error::Migration(format!("no statement {what} in the claim"));
+        let mut plan = String::new();
+        if let Some(topic) = topics.single() {
+            let body = source(&mut conn, CLAIM_TOPIC).await?;
+            let vars = ["p_topic", "p_batch", "p_lease_secs", "p_token", "p_owner"];
+            let sql = marked_statement(&body, "", &vars).ok_or_else(|| missing("one topic"))?;
+            rolled_back(&mut conn, async |conn| {
+                conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off")
+                    .await?;
+                let lines: Vec<PlanLine> = diesel::sql_query(format!("EXPLAIN (ANALYZE, BUFFERS) {sql}"))
+                    .bind::<Text, _>(topic)
+                    .bind::<Integer, _>(batch)
+                    .bind::<Double, _>(30.0)
+                    .bind::<BigInt, _>(0)
+                    .bind::<Text, _>("explain")
+                    .load(conn)
+                    .await?;
+                plan.push_str(&format!("-- topic {topic}\n"));
+                plan.extend(lines.into_iter().map(|l| l.line + "\n"));
+                Ok(())
+            })
+            .await?;
+            return Ok(plan);
+        }
+        let body = source(&mut conn, PICK).await?;
+        let narrow: Narrow = diesel::sql_query(NARROW)
+            .bind::<Bool, _>(topics.all)
+            .bind::<Array<Text>, _>(&topics.exact)
+            .bind::<Array<Text>, _>(&topics.like)
+            .bind::<Array<Text>, _>(&topics.not_exact)
+            .bind::<Array<Text>, _>(&topics.not_like)
+            .get_result(&mut conn)
+            .await?;
+        let plain = topics.all && topics.not_exact.is_empty() && topics.not_like.is_empty();
+        let names: &[&str] = match (&narrow.topics, plain) {
+            (_, true) => &["every topic"],
+            (Some(_), false) => &["a few topics"],
+            (None, false) => &["window", "the window's rows"],
+        };
+        let window = batch + (batch / 4).max(16);
+        let none: Vec<String> = Vec::new();
+        let busy = narrow.topics.as_ref().unwrap_or(&none);
+        rolled_back(&mut conn, async |conn| {
+            conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off")
+                .await?;
+            // The rows of the topics served in the first window (what its lock statement locks).
+            let mut ids: Vec<i64> = Vec::new();
+            for name in names {
+                let Some(sql) = marked_statement(&body, name, &PICK_VARS) else {
+                    return Err(diesel::result::Error::QueryBuilderError(
+                        format!("no statement {name} in postbox.pick").into(),
+                    ));
+                };
+                let bind = |q: &str, ids: Vec<i64>| {
+                    diesel::sql_query(q.to_owned())
+                        .bind::<SmallInt, _>(i16::MIN)
+                        .bind::<BigInt, _>(0)
+                        .bind::<Integer, _>(batch)
+                        .bind::<Integer, _>(batch)
+                        .bind::<Bool, _>(topics.all)
+                        .bind::<Array<Text>, _>(&topics.exact)
+                        .bind::<Array<Text>, _>(&topics.like)
+                        .bind::<Array<Text>, _>(&topics.not_exact)
+                        .bind::<Array<Text>, _>(&topics.not_like)
+                        .bind::<Array<Text>, _>(busy)
+                        .bind::<Integer, _>(window)
+                        .bind::<Array<BigInt>, _>(ids)
+                };
+                if *name == "window" {
+                    let w: Vec<Window> = bind(
+                        &format!(
+                            "SELECT served AS ids FROM ({sql}) AS w(walked, misses, last, served)"
+                        ),
+                        Vec::new(),
+                    )
+                    .load(conn)
+                    .await?;
+                    ids = w.into_iter().next().and_then(|w| w.ids).unwrap_or_default();
+                }
+                let lines: Vec<PlanLine> =
+                    bind(&format!("EXPLAIN (ANALYZE, BUFFERS) {sql}"), ids.clone())
+                        .load(conn)
+                        .await?;
+                plan.push_str(&format!("-- {name}\n"));
+                plan.extend(lines.into_iter().map(|l| l.line + "\n"));
+            }
             Ok(())
         })
         .await?;

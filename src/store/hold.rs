@@ -57,9 +57,10 @@ fn begin_take(limit: Duration) -> String {
     )
 }
 
+/// `postbox.pick`: the claim order across the topics of a filter, after a position or not.
 const TAKE: &str = concat!(
     take_columns!(),
-    "postbox.take($3, $4, $5, $6, $7, $8, $9, $10, $11)"
+    "postbox.pick($3, $4, $5, $6, $7, $8, $9, $10)"
 );
 
 /// The messages behind ordered heads that a hold takes with them (see [`Store::take`]): for each
@@ -254,10 +255,10 @@ impl Store {
     /// counted should it never commit). `limit` is only what `locked_until` of the returned
     /// messages says: ending the hold in time is the caller's duty.
     ///
-    /// `after` holds positions `(topic, priority, id)`: a topic named there is taken after that
-    /// row. A relay whose holds are in flight passes where its last take ended, so that its take
-    /// does not pay a lock check for each row its own holds have locked (and goes back to the
-    /// front every few tens of milliseconds for rows that became available behind it).
+    /// `after` is a position `(priority, id)` in the claim order: only rows after it are taken. A
+    /// relay whose holds are in flight passes where its last take ended, so that its take does
+    /// not pay a lock check for each row its own holds have locked (and goes back to the front
+    /// every few tens of milliseconds for rows that became available behind it).
     ///
     /// Up to `followers` messages in all are taken behind the ordered heads of the batch, shared
     /// between them (at least one each, at most 64): the next messages of each head's key, in
@@ -269,7 +270,7 @@ impl Store {
         batch: usize,
         limit: Duration,
         topics: &Topics,
-        after: &[(String, i16, i64)],
+        after: Option<(i16, i64)>,
         followers: usize,
     ) -> Result<Option<Hold>> {
         if batch == 0 || topics.is_empty() {
@@ -284,15 +285,15 @@ impl Store {
         let token = fastrand::i64(..);
         AnsiTransactionManager::begin_transaction_sql(&mut *conn, &begin_take(limit)).await?;
         let rows: Vec<HeldRow> = if let Some(topic) = topics.single() {
-            match after.iter().find(|(t, _, _)| t == topic) {
-                Some((_, priority, id)) => {
+            match after {
+                Some((priority, id)) => {
                     diesel::sql_query(TAKE_ONE_AFTER)
                         .bind::<Double, _>(limit.as_secs_f64())
                         .bind::<BigInt, _>(token)
                         .bind::<Text, _>(topic)
                         .bind::<Integer, _>(batch)
-                        .bind::<SmallInt, _>(*priority)
-                        .bind::<BigInt, _>(*id)
+                        .bind::<SmallInt, _>(priority)
+                        .bind::<BigInt, _>(id)
                         .load(&mut *conn)
                         .await?
                 }
@@ -307,8 +308,6 @@ impl Store {
                 }
             }
         } else {
-            let (names, (priorities, ids)): (Vec<&str>, (Vec<i16>, Vec<i64>)) =
-                after.iter().map(|(t, p, i)| (t.as_str(), (*p, *i))).unzip();
             diesel::sql_query(TAKE)
                 .bind::<Double, _>(limit.as_secs_f64())
                 .bind::<BigInt, _>(token)
@@ -318,9 +317,8 @@ impl Store {
                 .bind::<Array<Text>, _>(&topics.like)
                 .bind::<Array<Text>, _>(&topics.not_exact)
                 .bind::<Array<Text>, _>(&topics.not_like)
-                .bind::<Array<Text>, _>(&names)
-                .bind::<Array<SmallInt>, _>(&priorities)
-                .bind::<Array<BigInt>, _>(&ids)
+                .bind::<Nullable<SmallInt>, _>(after.map(|a| a.0))
+                .bind::<Nullable<BigInt>, _>(after.map(|a| a.1))
                 .load(&mut *conn)
                 .await?
         };

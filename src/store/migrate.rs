@@ -9,8 +9,12 @@ use crate::error::{Error, Result};
 /// The migrations of this crate, embedded at build time.
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
-/// One migration at a time across every process: the key of the advisory lock they share.
-const LOCK: &str = "SELECT pg_advisory_lock(7206185462771339348)";
+/// One migration at a time across every process: the key of the advisory lock they share. It is
+/// tried, not waited for: a session waiting in `pg_advisory_lock` holds a snapshot, and a
+/// migration building an index `CONCURRENTLY` waits for every snapshot — a deadlock.
+const TRY_LOCK: &str = "SELECT pg_try_advisory_lock(7206185462771339348) AS locked";
+/// How often a process waiting for another's migrations tries the lock again.
+const LOCK_RETRY: std::time::Duration = std::time::Duration::from_millis(50);
 const UNLOCK: &str = "SELECT pg_advisory_unlock(7206185462771339348)";
 
 /// Runs the pending migrations on `conn`; returns the versions it applied. Safe to call from
@@ -22,10 +26,22 @@ pub fn migrate(conn: &mut PgConnection) -> Result<Vec<String>> {
 /// diesel's own migration harness on any PostgreSQL connection, under the advisory lock.
 fn run<C>(conn: &mut C) -> Result<Vec<String>>
 where
-    C: MigrationHarness<diesel::pg::Pg> + diesel::Connection<Backend = diesel::pg::Pg>,
+    C: MigrationHarness<diesel::pg::Pg>
+        + diesel::Connection<Backend = diesel::pg::Pg>
+        + diesel::connection::LoadConnection,
 {
     use diesel::RunQueryDsl;
-    diesel::sql_query(LOCK).execute(conn)?;
+    #[derive(diesel::QueryableByName)]
+    struct Locked {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        locked: bool,
+    }
+    while !diesel::sql_query(TRY_LOCK)
+        .get_result::<Locked>(conn)?
+        .locked
+    {
+        std::thread::sleep(LOCK_RETRY);
+    }
     let applied = conn
         .run_pending_migrations(MIGRATIONS)
         .map(|v| v.iter().map(|v| v.to_string()).collect())

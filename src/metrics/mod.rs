@@ -15,6 +15,11 @@ use prometheus::{
 use crate::engine::{Observer, Settlement};
 use crate::store::{SampleRow, Topics};
 
+mod topics;
+
+use topics::TopicLabels;
+pub use topics::{DEFAULT_MAX_TOPICS, OTHER};
+
 /// The relay's metrics and the health they imply.
 pub struct Metrics {
     registry: Registry,
@@ -51,6 +56,10 @@ pub struct Metrics {
     stall_after: Mutex<Option<Duration>>,
     /// Which sink serves which topics: their outcome counters start at 0 once a topic is seen.
     routes: Mutex<Vec<(String, Topics)>>,
+    /// The sinks, for the series of a topic that loses its name.
+    sinks: Vec<String>,
+    /// Which topics have series of their own (the others count under [`OTHER`]).
+    topics: Mutex<TopicLabels>,
 }
 
 fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -72,8 +81,16 @@ fn gauge(r: &Registry, name: &str, help: &str) -> Gauge {
 }
 
 impl Metrics {
-    /// Registers every metric; `sinks` start as up.
+    /// Registers every metric; `sinks` start as up. The [`DEFAULT_MAX_TOPICS`] largest topics
+    /// get series of their own.
     pub fn new(sinks: &[&str]) -> Arc<Self> {
+        Self::with_max_topics(sinks, DEFAULT_MAX_TOPICS)
+    }
+
+    /// [`Metrics::new`] with series of their own for the `max_topics` largest topics (by
+    /// messages in the table and the dead letters, and traffic); every other topic counts under
+    /// the label value [`OTHER`].
+    pub fn with_max_topics(sinks: &[&str], max_topics: usize) -> Arc<Self> {
         let r = Registry::new();
         let latency_buckets = vec![
             0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -268,6 +285,8 @@ impl Metrics {
             alive: Mutex::new(HashMap::new()),
             stall_after: Mutex::new(None),
             routes: Mutex::new(Vec::new()),
+            sinks: sinks.iter().map(|s| (*s).to_owned()).collect(),
+            topics: Mutex::new(TopicLabels::new(max_topics)),
             registry: r,
         };
         let build = gauge_vec(
@@ -311,41 +330,57 @@ impl Metrics {
         ] {
             g.reset();
         }
-        // A topic with messages but none claimable has waited 0 s (a series, not an absence).
-        for r in rows.iter().filter(|r| r.metric == "depth") {
-            self.oldest_pending.with_label_values(&[&r.label]).set(0.0);
+        let mut sizes: HashMap<&str, f64> = HashMap::new();
+        for r in rows
+            .iter()
+            .filter(|r| matches!(r.metric.as_str(), "depth" | "dead"))
+        {
+            *sizes.entry(r.label.as_str()).or_default() += r.value;
         }
+        let mut labels = self.topics.lock().expect("topic labels lock");
+        for gone in labels.rank(&sizes) {
+            self.forget_topic(&gone);
+        }
+        // Per label: the sums (depth, dead letters, stalled keys) and the oldest wait.
+        let mut sums: HashMap<(&str, &str, &str), f64> = HashMap::new();
+        let mut oldest: HashMap<&str, f64> = HashMap::new();
         let routes = self.routes.lock().expect("routes lock");
         for r in rows {
+            let label = labels.label(&r.label);
             if matches!(r.metric.as_str(), "depth" | "dead") {
                 for (sink, _) in routes.iter().filter(|(_, t)| t.matches(&r.label)) {
                     for c in [&self.delivered, &self.retried, &self.dead_lettered] {
-                        c.with_label_values(&[&r.label, sink]);
+                        c.with_label_values(&[label, sink]);
                     }
                 }
             }
             match r.metric.as_str() {
-                "depth" => self
-                    .queue_depth
-                    .with_label_values(&[&r.label, &r.state])
-                    .set(r.value),
-                "oldest_available" => self
-                    .oldest_pending
-                    .with_label_values(&[&r.label])
-                    .set(r.value),
-                "dead" => self
-                    .dead_letters
-                    .with_label_values(&[&r.label])
-                    .set(r.value),
-                "stalled" => self
-                    .stalled_keys
-                    .with_label_values(&[&r.label])
-                    .set(r.value),
+                // A topic with messages but none claimable has waited 0 s (a series, not an
+                // absence).
+                "depth" => {
+                    *sums.entry(("depth", label, &r.state)).or_default() += r.value;
+                    oldest.entry(label).or_default();
+                }
+                "oldest_available" => {
+                    let o = oldest.entry(label).or_default();
+                    *o = o.max(r.value);
+                }
+                "dead" | "stalled" => *sums.entry((&r.metric, label, "")).or_default() += r.value,
                 "dead_tuples" => self.dead_tuples.with_label_values(&[&r.label]).set(r.value),
                 "live_tuples" => self.live_tuples.with_label_values(&[&r.label]).set(r.value),
                 "oldest_transaction" => self.oldest_transaction.set(r.value),
                 _ => {}
             }
+        }
+        for ((metric, label, state), v) in sums {
+            match metric {
+                "depth" => self.queue_depth.with_label_values(&[label, state]).set(v),
+                "dead" => self.dead_letters.with_label_values(&[label]).set(v),
+                _ => self.stalled_keys.with_label_values(&[label]).set(v),
+            }
+        }
+        for (label, v) in oldest {
+            self.oldest_pending.with_label_values(&[label]).set(v);
         }
         self.database_up.set(1.0);
         self.database_ok.store(true, Ordering::Release);
@@ -356,16 +391,45 @@ impl Metrics {
     pub fn apply_pauses(&self, patterns: &[String], sample: &[SampleRow]) {
         self.topic_paused.reset();
         let paused = Topics::only(patterns);
+        let mut labels = self.topics.lock().expect("topic labels lock");
+        let mut by_label: HashMap<&str, f64> = HashMap::new();
         for r in sample
             .iter()
             .filter(|r| matches!(r.metric.as_str(), "depth" | "dead"))
         {
             let v = if paused.matches(&r.label) { 1.0 } else { 0.0 };
-            self.topic_paused.with_label_values(&[&r.label]).set(v);
+            let e = by_label.entry(labels.label(&r.label)).or_default();
+            *e = e.max(v);
         }
         for p in patterns.iter().filter(|p| !p.contains('*')) {
-            self.topic_paused.with_label_values(&[p]).set(1.0);
+            by_label.insert(labels.label(p), 1.0);
         }
+        for (label, v) in by_label {
+            self.topic_paused.with_label_values(&[label]).set(v);
+        }
+    }
+
+    /// Removes the series of a topic that no longer has its own (it counts under [`OTHER`]
+    /// from now on; a counter that comes back starts again from 0, which `rate()` reads as a
+    /// reset).
+    fn forget_topic(&self, topic: &str) {
+        let routes = self.routes.lock().expect("routes lock");
+        let sinks = self
+            .sinks
+            .iter()
+            .map(String::as_str)
+            .chain(routes.iter().map(|(s, _)| s.as_str()));
+        for sink in sinks {
+            for c in [&self.delivered, &self.retried, &self.dead_lettered] {
+                let _ = c.remove_label_values(&[topic, sink]);
+            }
+        }
+        let _ = self.end_to_end.remove_label_values(&[topic]);
+    }
+
+    /// How many topics get series of their own.
+    pub fn max_topics(&self) -> usize {
+        self.topics.lock().expect("topic labels lock").max()
     }
 
     /// Sets the gauges of a running limit: running now (sampled), and its maximum.
@@ -448,6 +512,11 @@ impl Observer for Metrics {
     }
 
     fn settled(&self, topic: &str, sink: &str, what: Settlement, age: Duration) {
+        let topic = self
+            .topics
+            .lock()
+            .expect("topic labels lock")
+            .settled(topic);
         match what {
             Settlement::Delivered => {
                 self.delivered.with_label_values(&[topic, sink]).inc();

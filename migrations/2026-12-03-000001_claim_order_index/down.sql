@@ -1,0 +1,1 @@
+DROP INDEX CONCURRENTLY IF EXISTS postbox.messages_available_order_idx;
