@@ -1183,3 +1183,43 @@ fn config_check_hides_a_password_holding_url_delimiters() {
         "{shown}"
     );
 }
+
+/// With 10,000 topics `status` prints the 20 largest, a line for the rest and the totals;
+/// `--all` prints every topic and `--json` gives all of them.
+#[test]
+fn status_at_ten_thousand_topics_shows_the_largest_and_a_summary() {
+    let db = TestDb::migrated();
+    db.exec(
+        "INSERT INTO postbox.messages (topic) SELECT 't.' || (g % 10000) FROM generate_series(1, 20000) g;
+         INSERT INTO postbox.messages (topic) SELECT 'big' FROM generate_series(1, 500)",
+    );
+    let out = postbox(&["--database-url", &db.url, "status"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let shown = text(&out.stdout);
+    let rows: Vec<&str> = shown
+        .lines()
+        .take_while(|l| !l.starts_with("dead letters"))
+        .collect();
+    assert!(rows.len() < 30, "{shown}");
+    assert!(rows[1].starts_with("big "), "the largest first: {shown}");
+    assert!(
+        shown.contains("(9981 more topics)") && shown.contains("TOTAL (10001 topics)"),
+        "{shown}"
+    );
+    let total = rows
+        .iter()
+        .find(|l| l.starts_with("TOTAL"))
+        .unwrap()
+        .split_whitespace()
+        .nth(3)
+        .unwrap()
+        .to_owned();
+    assert_eq!(total, "20500", "{shown}");
+    let all = text(&postbox(&["--database-url", &db.url, "status", "--all"]).stdout);
+    assert!(all.lines().count() > 10_000, "--all lists every topic");
+    let json: serde_json::Value = serde_json::from_str(&text(
+        &postbox(&["--database-url", &db.url, "status", "--json"]).stdout,
+    ))
+    .unwrap();
+    assert_eq!(json["topics"].as_array().unwrap().len(), 10_001);
+}

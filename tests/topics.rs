@@ -344,3 +344,80 @@ async fn rows_held_by_others_never_hide_the_rest() {
         50
     );
 }
+
+/// Large payloads: an engine with a payload budget delivers 200 messages of 200 KB with only as
+/// many in flight as the budget holds (each weighs three copies of its payload), never the
+/// batch it would claim by count; and all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_payload_budget_bounds_what_is_in_flight_by_bytes() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use futures_util::FutureExt;
+    use futures_util::future::BoxFuture;
+    use postbox::engine::{Engine, EngineConfig};
+    use postbox::sink::{Outcome, Sink, Unavailable};
+
+    struct Counting {
+        now: AtomicUsize,
+        most: AtomicUsize,
+    }
+    struct Slow(Arc<Counting>);
+    impl Sink for Slow {
+        fn name(&self) -> &str {
+            "log"
+        }
+        fn topics(&self) -> Topics {
+            Topics::all()
+        }
+        fn deliver(
+            &self,
+            batch: Vec<postbox::ClaimedMessage>,
+        ) -> BoxFuture<'_, Result<Vec<Outcome>, Unavailable>> {
+            async move {
+                let n = self.0.now.fetch_add(batch.len(), Ordering::SeqCst) + batch.len();
+                self.0.most.fetch_max(n, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                self.0.now.fetch_sub(batch.len(), Ordering::SeqCst);
+                Ok(vec![Outcome::Delivered; batch.len()])
+            }
+            .boxed()
+        }
+        fn max_batch(&self) -> usize {
+            1
+        }
+    }
+    let db = TestDb::migrated();
+    db.exec(
+        "INSERT INTO postbox.messages (topic, payload)
+         SELECT 'large', jsonb_build_object('blob', repeat(md5(g::text), 6250)) FROM generate_series(1, 200) g",
+    );
+    let counting = Arc::new(Counting {
+        now: AtomicUsize::new(0),
+        most: AtomicUsize::new(0),
+    });
+    let engine = Engine::builder(&db.url)
+        .sink(Slow(counting.clone()))
+        .config(EngineConfig {
+            batch_size: 100,
+            concurrency: 100,
+            drain: true,
+            // About 600 KB a message: 5 fit.
+            payload_budget: 3 << 20,
+            ..Default::default()
+        })
+        .listen(false)
+        .build()
+        .await
+        .unwrap();
+    let report = engine
+        .run(tokio_util::sync::CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(report.delivered, 200, "{report:?}");
+    let most = counting.most.load(Ordering::SeqCst);
+    assert!(
+        (1..=5).contains(&most),
+        "{most} messages of 200 KB in flight at once"
+    );
+}

@@ -103,6 +103,11 @@ fn invalid_values_name_the_field() {
         "relay.schedule_interval"
     );
     assert_eq!(bad("[relay]\nlease = \"30 parsecs\"\n"), "relay.lease");
+    assert_eq!(
+        bad("[relay]\npayload_budget = \"lots\"\n"),
+        "relay.payload_budget"
+    );
+    assert_eq!(bad("[metrics]\nmax_topics = -1\n"), "metrics.max_topics");
     assert_eq!(bad("[metrics]\nlisten = \"nowhere\"\n"), "metrics.listen");
     assert_eq!(
         bad("[[routes]]\ntopics = [\"*\"]\nsink = \"kafka\"\n"),
@@ -278,4 +283,26 @@ fn durations() {
     assert!(parse_duration("5").is_err());
     assert!(parse_duration("5 fortnights").is_err());
     assert_eq!(format_duration(Duration::from_millis(1500)), "1s 500ms");
+}
+
+#[test]
+fn payload_budget_and_max_topics_are_read_with_units() {
+    let s = Config::from_toml("[relay]\npayload_budget = \"512KiB\"\n[metrics]\nmax_topics = 7\n")
+        .and_then(|c| c.resolve(Overrides::default()))
+        .unwrap();
+    assert_eq!(
+        (s.engine.payload_budget, s.metrics_max_topics),
+        (512 << 10, 7)
+    );
+    let s = Config::from_toml("[relay]\npayload_budget = 1000\n")
+        .and_then(|c| c.resolve(Overrides::default()))
+        .unwrap();
+    assert_eq!(s.engine.payload_budget, 1000);
+    let s = Config::from_toml("")
+        .and_then(|c| c.resolve(Overrides::default()))
+        .unwrap();
+    assert_eq!(
+        (s.engine.payload_budget, s.metrics_max_topics),
+        (64 << 20, 50)
+    );
 }

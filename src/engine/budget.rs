@@ -13,18 +13,22 @@ use crate::store::ClaimedMessage;
 /// Bytes of claimed messages in flight per relay unless configured (`relay.payload_budget`).
 pub const DEFAULT_PAYLOAD_BUDGET: usize = 64 << 20;
 
-/// What a message is assumed to weigh before any was claimed: a first claim of large messages
-/// stays within the budget, and the estimate follows what claims bring.
-const FIRST_ESTIMATE: usize = 64 << 10;
+/// Before any message was claimed, a claim takes at most this many (each assumed to weigh this
+/// share of the budget): the first claim learns what messages weigh, and the estimate then
+/// follows what claims bring.
+const FIRST_CLAIM: usize = 1;
 
 /// The bytes in flight, and what the next messages are expected to weigh.
 #[derive(Debug)]
 pub struct PayloadBudget {
     limit: usize,
     in_flight: AtomicUsize,
-    /// The largest message of the last claim, or half the previous estimate if that is more (a
-    /// burst of large messages is taken for one, and the estimate comes down slowly after it).
+    /// The largest message of the last claim, or seven eighths of the previous estimate if that
+    /// is more: a burst of large messages is taken for one, and the estimate comes down over a
+    /// few claims after it.
     estimate: AtomicUsize,
+    /// Whether a claim brought messages yet (the first estimate is a guess, replaced outright).
+    learned: std::sync::atomic::AtomicBool,
     freed: Notify,
 }
 
@@ -50,7 +54,8 @@ impl PayloadBudget {
         Arc::new(PayloadBudget {
             limit,
             in_flight: AtomicUsize::new(0),
-            estimate: AtomicUsize::new(FIRST_ESTIMATE),
+            estimate: AtomicUsize::new((limit / FIRST_CLAIM).max(1)),
+            learned: std::sync::atomic::AtomicBool::new(false),
             freed: Notify::new(),
         })
     }
@@ -98,9 +103,13 @@ impl PayloadBudget {
         let sizes = messages.iter().map(approx_bytes);
         let (bytes, largest) = sizes.fold((0, 0), |(sum, max), b| (sum + b, max.max(b)));
         if largest > 0 {
-            let previous = self.estimate.load(Ordering::Acquire);
+            let previous = if self.learned.swap(true, Ordering::AcqRel) {
+                self.estimate.load(Ordering::Acquire)
+            } else {
+                0
+            };
             self.estimate
-                .store(largest.max(previous / 2), Ordering::Release);
+                .store(largest.max(previous - previous / 8), Ordering::Release);
         }
         self.in_flight.fetch_add(bytes, Ordering::AcqRel);
         Charge {
@@ -110,14 +119,21 @@ impl PayloadBudget {
     }
 }
 
-/// What a claimed message weighs in memory, about: its text and the decoded payload's tree.
+/// Copies of a payload a relay holds while it delivers it: the row as read from the database, the
+/// decoded tree, and what the sink makes of it (a log line, a Kafka record). Measured: with the
+/// decoded tree alone counted, a budget of 64 MiB let the relay reach 214 MB draining 500 KB
+/// messages (15 MB base).
+const COPIES: usize = 3;
+
+/// What a claimed message weighs in memory, about: [`COPIES`] of its text and decoded payload.
 pub fn approx_bytes(m: &ClaimedMessage) -> usize {
     let headers: usize = m.headers.iter().map(|(k, v)| k.len() + v.len() + 48).sum();
-    256 + m.topic.len()
-        + m.key.as_ref().map_or(0, String::len)
-        + m.last_error.as_ref().map_or(0, String::len)
-        + headers
-        + json_bytes(&m.payload)
+    256 + COPIES
+        * (m.topic.len()
+            + m.key.as_ref().map_or(0, String::len)
+            + m.last_error.as_ref().map_or(0, String::len)
+            + headers
+            + json_bytes(&m.payload))
 }
 
 fn json_bytes(v: &serde_json::Value) -> usize {
@@ -162,11 +178,11 @@ mod tests {
 
     #[test]
     fn claims_take_fewer_messages_as_they_grow_and_the_budget_fills() {
-        let budget = PayloadBudget::new(10 << 20);
-        // Before any claim: 64 KiB a message assumed.
-        assert_eq!(budget.room(500), 160);
+        let budget = PayloadBudget::new(30 << 20);
+        // Before any claim: one message, to learn their size.
+        assert_eq!(budget.room(500), 1);
         let big = budget.charge(&[message(500_000), message(500_000)]);
-        // 1 MB in flight, 500 KB a message expected: 18 more fit.
+        // 3 MB in flight (500 KB messages weigh 1.5 MB), 1.5 MB a message expected: 18 more fit.
         assert_eq!(budget.room(500), 18);
         let more: Vec<ClaimedMessage> = (0..18).map(|_| message(500_000)).collect();
         let full = budget.charge(&more);
@@ -174,9 +190,9 @@ mod tests {
         drop(full);
         assert_eq!(budget.room(500), 18, "given back when settled");
         drop(big);
-        // Small messages again: the estimate comes down by half a claim.
+        // Small messages again: the estimate comes down by an eighth a claim.
         let small = budget.charge(&[message(10)]);
-        assert!(budget.room(500) > 18 && budget.room(500) < 500);
+        assert_eq!(budget.room(500), 23, "{budget:?}");
         drop(small);
         // Nothing in flight: one message at least, whatever its size.
         let huge = PayloadBudget::new(1000);

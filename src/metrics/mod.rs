@@ -678,4 +678,59 @@ mod tests {
         m.database_ok.store(false, Ordering::Release);
         assert!(m.ready().is_err());
     }
+
+    /// With 10,000 topics a scrape stays under 2,000 series: the 50 largest topics have series
+    /// of their own, every other one counts under `(other)`, and the sums stay exact.
+    #[test]
+    fn ten_thousand_topics_make_a_bounded_scrape_with_exact_sums() {
+        let m = Metrics::new(&["log"]);
+        m.routes(vec![("log".to_owned(), Topics::all())]);
+        let row = |metric: &str, label: String, state: &str, value: f64| SampleRow {
+            metric: metric.to_owned(),
+            label,
+            state: state.to_owned(),
+            value,
+        };
+        // Topic i holds i + 1 available messages, and 1 dead letter.
+        let mut rows = Vec::new();
+        for i in 0..10_000 {
+            rows.push(row("depth", format!("t.{i}"), "available", (i + 1) as f64));
+            rows.push(row("oldest_available", format!("t.{i}"), "", i as f64));
+            rows.push(row("dead", format!("t.{i}"), "", 1.0));
+        }
+        m.apply_sample(Ok(&rows));
+        m.apply_pauses(&["t.1*".to_owned()], &rows);
+        for i in 0..10_000 {
+            m.settled(
+                &format!("t.{i}"),
+                "log",
+                Settlement::Delivered,
+                Duration::from_millis(5),
+            );
+        }
+        let text = m.render();
+        let series = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .count();
+        assert!(series <= 2_000, "{series} series");
+        let sum = |prefix: &str| -> f64 {
+            text.lines()
+                .filter(|l| l.starts_with(prefix))
+                .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+                .sum()
+        };
+        assert_eq!(
+            sum("postbox_queue_depth{"),
+            (1..=10_000).sum::<i64>() as f64
+        );
+        assert_eq!(sum("postbox_dead_letters{"), 10_000.0);
+        assert_eq!(sum("postbox_messages_delivered_total{"), 10_000.0);
+        // The largest are named, the small ones are not; the oldest wait is the largest of all.
+        assert!(text.contains(r#"postbox_queue_depth{state="available",topic="t.9999"} 10000"#));
+        assert!(!text.contains(r#"topic="t.5""#), "{text}");
+        assert!(text.contains(r#"postbox_oldest_pending_age_seconds{topic="(other)"} 9949"#));
+        assert!(text.contains(r#"postbox_topic_paused{topic="(other)"} 1"#));
+        assert_eq!(m.max_topics(), DEFAULT_MAX_TOPICS);
+    }
 }

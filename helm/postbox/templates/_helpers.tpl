@@ -86,6 +86,7 @@ poll_interval = {{ .Values.config.relay.pollInterval | quote }}
 shutdown_deadline = {{ .Values.config.relay.shutdownDeadline | quote }}
 delivery_timeout = {{ .Values.config.relay.deliveryTimeout | quote }}
 hold_limit = {{ .Values.config.relay.holdLimit | quote }}
+payload_budget = {{ .Values.config.relay.payloadBudget | quote }}
 {{- with .Values.config.relay.topicTimeouts }}
 {{- $first := true }}
 topic_timeouts = { {{- range $pattern, $timeout := . }}{{ if not $first }},{{ end }} {{ $pattern | quote }} = {{ $timeout | quote }}{{ $first = false }}{{- end }} }
@@ -100,6 +101,7 @@ keep_completed = {{ . | quote }}
 [metrics]
 listen = "0.0.0.0:{{ .Values.config.metrics.port | int }}"
 sample_interval = {{ .Values.config.metrics.sampleInterval | quote }}
+max_topics = {{ .Values.config.metrics.maxTopics | int }}
 {{- if .Values.config.kafka.enabled }}
 
 [sinks.kafka]
