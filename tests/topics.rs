@@ -346,7 +346,7 @@ async fn rows_held_by_others_never_hide_the_rest() {
 }
 
 /// Large payloads: an engine with a payload budget delivers 200 messages of 200 KB with only as
-/// many in flight as the budget holds (each weighs three copies of its payload), never the
+/// many in flight as the budget holds (each weighs six copies of its payload), never the
 /// batch it would claim by count; and all of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_payload_budget_bounds_what_is_in_flight_by_bytes() {
@@ -402,8 +402,8 @@ async fn the_payload_budget_bounds_what_is_in_flight_by_bytes() {
             batch_size: 100,
             concurrency: 100,
             drain: true,
-            // About 600 KB a message: 5 fit.
-            payload_budget: 3 << 20,
+            // About 1.2 MB a message (six copies of 200 KB): 5 fit.
+            payload_budget: 6 << 20,
             ..Default::default()
         })
         .listen(false)
