@@ -107,7 +107,9 @@ fn rows(msgs: &[Message]) -> Result<Vec<NewMessage<'_>>> {
 }
 
 /// The headers as stored; with feature `otel`, the current trace context added (see `otel`).
-fn headers_json(headers: &std::collections::BTreeMap<String, String>) -> serde_json::Value {
+pub(crate) fn headers_json(
+    headers: &std::collections::BTreeMap<String, String>,
+) -> serde_json::Value {
     #[cfg(feature = "otel")]
     {
         let mut headers = headers.clone();

@@ -38,6 +38,12 @@ pub enum InvalidMessage {
     /// PostgreSQL text and JSON cannot hold the NUL character (0x00).
     #[error("{field}: contains a NUL character (0x00), which PostgreSQL cannot store")]
     Nul { field: &'static str },
+    /// [`crate::publish`] was given a field stream mode cannot honour: a published message goes
+    /// out once, at commit, in commit order (no delay, priority, dedup key or attempts).
+    #[error(
+        "{field}: stream mode cannot honour it (a published message is delivered at commit, in commit order); enqueue the message instead"
+    )]
+    NotInStream { field: &'static str },
     /// The run time is out of the range a message can be scheduled in.
     #[error("{field}: {problem}")]
     RunAt {

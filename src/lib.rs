@@ -56,6 +56,7 @@ pub mod schema;
 #[cfg(feature = "engine")]
 pub mod sink;
 pub mod store;
+pub mod stream;
 
 pub use backoff::Backoff;
 #[cfg(feature = "engine")]
@@ -72,3 +73,6 @@ pub use store::migrate::migrate_async;
 pub use store::migrate::{MIGRATIONS, migrate};
 #[cfg(feature = "async")]
 pub use store::{ClaimedMessage, Lease, Store, Topics};
+pub use stream::{publish, publish_many};
+#[cfg(feature = "async")]
+pub use stream::{publish_async, publish_many_async};

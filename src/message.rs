@@ -198,18 +198,17 @@ impl Message {
                 return Err(InvalidMessage::Nul { field });
             }
         }
-        if let Ok(headers) = &self.headers {
-            if headers
+        if let Ok(headers) = &self.headers
+            && headers
                 .iter()
                 .any(|(k, v)| k.contains('\0') || v.contains('\0'))
-            {
-                return Err(InvalidMessage::Nul { field: "headers" });
-            }
+        {
+            return Err(InvalidMessage::Nul { field: "headers" });
         }
-        if let Ok(payload) = &self.payload {
-            if json_has_nul(payload) {
-                return Err(InvalidMessage::Nul { field: "payload" });
-            }
+        if let Ok(payload) = &self.payload
+            && json_has_nul(payload)
+        {
+            return Err(InvalidMessage::Nul { field: "payload" });
         }
         self.resolved_run_at(Utc::now())?;
         if self.topic.is_empty() {
@@ -222,33 +221,33 @@ impl Message {
             });
         }
         for (field, value) in [("key", &self.key), ("dedup_key", &self.dedup_key)] {
-            if let Some(v) = value {
-                if v.len() > MAX_KEY_BYTES {
-                    return Err(InvalidMessage::TooLong {
-                        field,
-                        len: v.len(),
-                        limit: MAX_KEY_BYTES,
-                    });
-                }
+            if let Some(v) = value
+                && v.len() > MAX_KEY_BYTES
+            {
+                return Err(InvalidMessage::TooLong {
+                    field,
+                    len: v.len(),
+                    limit: MAX_KEY_BYTES,
+                });
             }
         }
         if self.ordered && self.key.is_none() {
             return Err(InvalidMessage::OrderedWithoutKey);
         }
-        if let Some(n) = self.max_attempts {
-            if n < 1 {
-                return Err(InvalidMessage::MaxAttempts(n));
-            }
+        if let Some(n) = self.max_attempts
+            && n < 1
+        {
+            return Err(InvalidMessage::MaxAttempts(n));
         }
         if let Err(e) = &self.headers {
             return Err(InvalidMessage::BadHeaders(e.clone()));
         }
-        if let Ok(headers) = &self.headers {
-            if let Some(name) = headers.keys().find(|k| is_reserved_header(k)) {
-                return Err(InvalidMessage::BadHeaders(format!(
-                    "{name:?}: names starting with {RESERVED_HEADER_PREFIX:?} are the relay's own (postbox-id, postbox-topic, postbox-created-at)"
-                )));
-            }
+        if let Ok(headers) = &self.headers
+            && let Some(name) = headers.keys().find(|k| is_reserved_header(k))
+        {
+            return Err(InvalidMessage::BadHeaders(format!(
+                "{name:?}: names starting with {RESERVED_HEADER_PREFIX:?} are the relay's own (postbox-id, postbox-topic, postbox-created-at)"
+            )));
         }
         match &self.payload {
             Err(e) => Err(InvalidMessage::PayloadNotJson(e.clone())),

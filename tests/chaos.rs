@@ -456,10 +456,10 @@ fn relay_process_with(
             let Some(line) = lines.next() else { break };
             let Ok(line) = line else { break };
             // A process killed mid-line leaves a partial line: not a delivery it reported.
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-                if let Some(id) = v["id"].as_i64() {
-                    *d.lock().unwrap().entry(id).or_default() += 1;
-                }
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
+                && let Some(id) = v["id"].as_i64()
+            {
+                *d.lock().unwrap().entry(id).or_default() += 1;
             }
         }
     });

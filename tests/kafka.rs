@@ -1166,7 +1166,7 @@ sink = "log"
                 })
                 .unwrap();
                 // A key with NUL is refused at enqueue, naming the field; nothing is written.
-                if i % 50 == 0 {
+                if i.is_multiple_of(50) {
                     let refused =
                         postbox::enqueue(&mut conn, &Message::new("log.events").key("a\0b"));
                     assert!(

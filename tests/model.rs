@@ -459,10 +459,11 @@ async fn random_interleavings_keep_every_invariant() {
     let completed = world.completed.lock().unwrap().clone();
     let mut by_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     for (s, key, id) in world.claims.lock().unwrap().iter() {
-        if let Some(k) = key {
-            if completed.contains(s) && !replayed.contains(id) {
-                by_key.entry(k.clone()).or_default().push(*id);
-            }
+        if let Some(k) = key
+            && completed.contains(s)
+            && !replayed.contains(id)
+        {
+            by_key.entry(k.clone()).or_default().push(*id);
         }
     }
     for (k, ids) in &by_key {

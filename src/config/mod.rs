@@ -13,10 +13,12 @@ use crate::engine::config as defaults;
 mod durations;
 mod jobs;
 mod redact;
+mod stream;
 pub use durations::parse_duration;
 use durations::{duration_map, opt_bytes, opt_duration};
 pub use jobs::{LimitSection, RetentionSection, ScheduleSection};
 pub use redact::{is_secret, redact_url, redact_values};
+pub use stream::{StreamSection, StreamSettings};
 
 /// The database a relay uses when none is configured.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@localhost/postbox";
@@ -61,6 +63,9 @@ pub struct Config {
     /// Running limits, enforced in every relay's claims.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub limits: Vec<LimitSection>,
+    /// Stream mode: also deliver messages published into the WAL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<StreamSection>,
 }
 
 /// `[relay]`: the engine's settings.
@@ -211,6 +216,8 @@ pub struct Settings {
     pub schedules: Vec<ScheduleSection>,
     /// Validated: each builds its [`crate::store::Limit`].
     pub limits: Vec<LimitSection>,
+    /// `[stream]`, when stream mode is on.
+    pub stream: Option<StreamSettings>,
 }
 
 impl Settings {
@@ -359,13 +366,13 @@ impl Config {
         if sample_interval < Duration::from_millis(100) {
             return Err(err("metrics.sample_interval", "must be at least 100ms"));
         }
-        if let Some(k) = &self.sinks.kafka {
-            if k.brokers.trim().is_empty() {
-                return Err(err(
-                    "sinks.kafka.brokers",
-                    "must name at least one broker (host:port)",
-                ));
-            }
+        if let Some(k) = &self.sinks.kafka
+            && k.brokers.trim().is_empty()
+        {
+            return Err(err(
+                "sinks.kafka.brokers",
+                "must name at least one broker (host:port)",
+            ));
         }
         let mut routes = self.routes;
         if routes.is_empty() {
@@ -436,6 +443,11 @@ impl Config {
             routes,
             schedules: self.schedules,
             limits: self.limits,
+            stream: self
+                .stream
+                .as_ref()
+                .map(StreamSection::settings)
+                .transpose()?,
         })
     }
 }

@@ -75,15 +75,15 @@ fn percent_decoded(s: &str) -> String {
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'%' && i + 2 < bytes.len() {
-            if let Some(b) = std::str::from_utf8(&bytes[i + 1..i + 3])
+        if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && let Some(b) = std::str::from_utf8(&bytes[i + 1..i + 3])
                 .ok()
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-            {
-                out.push(b);
-                i += 3;
-                continue;
-            }
+        {
+            out.push(b);
+            i += 3;
+            continue;
         }
         out.push(bytes[i]);
         i += 1;
@@ -123,6 +123,14 @@ impl Settings {
                 hold_limit: Some(self.engine.hold_limit),
                 payload_budget: Some(self.engine.payload_budget),
             },
+            stream: self.stream.as_ref().map(|s| super::StreamSection {
+                slot: Some(s.slot.clone()),
+                publication: Some(s.publication.clone()),
+                create_slot: Some(s.create_slot),
+                status_interval: Some(s.status_interval),
+                batch_size: Some(s.batch_size),
+                takeover_interval: Some(s.takeover_interval),
+            }),
             metrics: MetricsSection {
                 listen: Some(self.metrics_listen.to_string()),
                 sample_interval: Some(self.sample_interval),

@@ -174,6 +174,7 @@ mod tests {
             last_error: None,
             dedup_key: None,
             undecodable: None,
+            stream_id: None,
         }
     }
 

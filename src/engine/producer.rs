@@ -204,10 +204,10 @@ impl SinkHealth {
     /// longer each time in a row, up to the outage back-off's cap.
     fn topic_down(&self, topic: &str, reason: &str) {
         let mut held = self.topics.lock().expect("health lock");
-        if let Some((_, until)) = held.get(topic) {
-            if *until > Instant::now() {
-                return; // the rest of a batch sent before the topic was held back
-            }
+        if let Some((_, until)) = held.get(topic)
+            && *until > Instant::now()
+        {
+            return; // the rest of a batch sent before the topic was held back
         }
         if held.len() >= 1024 {
             // Glob routes can see many topics: forget those not refused for a long while.
@@ -405,10 +405,10 @@ impl Producer {
             };
             if got > 0 {
                 rechecked = false;
-                if std::mem::take(&mut armed) {
-                    if let Some(n) = &self.notifier {
-                        n.disarm();
-                    }
+                if std::mem::take(&mut armed)
+                    && let Some(n) = &self.notifier
+                {
+                    n.disarm();
                 }
             }
             drop(reserved);
@@ -441,14 +441,14 @@ impl Producer {
                 }
                 linger_until = None;
             }
-            if let Some(n) = &self.notifier {
-                if n.arm().await {
-                    armed = true;
-                    // Registered: look once more (the next turn of the loop, without lingering),
-                    // so nothing committed before the registration waits for the next poll.
-                    if !std::mem::replace(&mut rechecked, true) {
-                        continue;
-                    }
+            if let Some(n) = &self.notifier
+                && n.arm().await
+            {
+                armed = true;
+                // Registered: look once more (the next turn of the loop, without lingering),
+                // so nothing committed before the registration waits for the next poll.
+                if !std::mem::replace(&mut rechecked, true) {
+                    continue;
                 }
             }
             rechecked = false;

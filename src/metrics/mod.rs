@@ -15,8 +15,10 @@ use prometheus::{
 use crate::engine::{Observer, Settlement};
 use crate::store::{SampleRow, Topics};
 
+mod stream;
 mod topics;
 
+pub use stream::WAL_STATUSES;
 use topics::TopicLabels;
 pub use topics::{DEFAULT_MAX_TOPICS, OTHER};
 
@@ -60,6 +62,7 @@ pub struct Metrics {
     sinks: Vec<String>,
     /// Which topics have series of their own (the others count under [`OTHER`]).
     topics: Mutex<TopicLabels>,
+    stream: stream::StreamMetrics,
 }
 
 fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -287,6 +290,7 @@ impl Metrics {
             routes: Mutex::new(Vec::new()),
             sinks: sinks.iter().map(|s| (*s).to_owned()).collect(),
             topics: Mutex::new(TopicLabels::new(max_topics)),
+            stream: stream::StreamMetrics::register(&r),
             registry: r,
         };
         let build = gauge_vec(

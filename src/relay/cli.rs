@@ -11,6 +11,7 @@ use super::cancel::CancelArgs;
 use super::dead::DeadCommand;
 use super::enqueue::EnqueueArgs;
 use super::pause::TopicArgs;
+use super::stream::StreamCommand;
 use crate::config::{Config, Overrides, Settings, parse_duration};
 
 #[derive(Parser)]
@@ -76,6 +77,9 @@ pub enum Command {
     /// The configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Stream mode's replication slot: set it up, see it, drop it.
+    #[command(subcommand)]
+    Stream(StreamCommand),
     /// Migrate, enqueue sample orders in transactions, relay them to the log sink, summarise.
     Demo {
         /// Orders to create.
@@ -171,6 +175,7 @@ pub async fn execute(cli: Cli) -> Result<(), RelayError> {
         Command::Resume(args) => super::pause::resume(&settings, args).await?,
         Command::Cancel(args) => super::cancel::run(&settings, args).await?,
         Command::Show { id, json } => super::show::run(&settings, id, json).await?,
+        Command::Stream(command) => super::stream::run(&settings, command).await?,
         Command::Demo { orders } => {
             let s = super::demo(settings, orders).await?;
             println!(

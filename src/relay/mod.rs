@@ -12,6 +12,7 @@ mod pause;
 mod serve;
 mod show;
 mod status;
+mod stream;
 
 pub use dead::selector;
 pub use demo::{DemoSummary, demo};
@@ -262,8 +263,21 @@ pub async fn run(
         settings.sample_interval,
         settings.running_limits(),
         settings.engine.keep_completed.is_some(),
+        settings.stream.is_some(),
         shutdown.clone(),
     ));
+    // Stream mode reads the slot through the same routes' sinks; a one-off drain does not stream.
+    let streamer = match &settings.stream {
+        Some(s) if !drain => Some(stream::spawn(
+            &settings,
+            s,
+            sinks.clone(),
+            store.clone(),
+            metrics.clone(),
+            shutdown.clone(),
+        )?),
+        _ => None,
+    };
     let mut engines = Vec::new();
     // One payload budget for every route: the relay's memory, not each route's.
     let budget = crate::engine::PayloadBudget::new(settings.engine.payload_budget);
@@ -312,6 +326,15 @@ pub async fn run(
         }
     }
     shutdown.cancel();
+    if let Some(s) = streamer {
+        match s.await {
+            Ok(r) => {
+                report.delivered += r.delivered;
+                report.dead_lettered += r.dead_lettered;
+            }
+            Err(e) => tracing::error!(error = %e, "stream task"),
+        }
+    }
     let _ = sampler.await;
     let _ = server.await;
     tracing::info!(?report, "relay stopped");
@@ -327,6 +350,7 @@ async fn sample(
     every: Duration,
     limits: Vec<crate::store::Limit>,
     retention: bool,
+    stream: bool,
     stop: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(every);
@@ -351,10 +375,11 @@ async fn sample(
                     Ok(found) => metrics.invariants(&found),
                     Err(e) => tracing::warn!(error = %e, "invariant check failed"),
                 }
-                if retention {
-                    if let Ok((n, _)) = store.completed_kept().await {
-                        metrics.completed_kept(n);
-                    }
+                if retention && let Ok((n, _)) = store.completed_kept().await {
+                    metrics.completed_kept(n);
+                }
+                if stream && let Ok(slots) = store.stream_status(None).await {
+                    metrics.stream_slots(&slots);
                 }
             }
             Err(e) => {

@@ -45,6 +45,11 @@ pub async fn run(settings: &Settings, json: bool, all: bool) -> Result<()> {
         }
         None => serde_json::Value::Null,
     };
+    let slots = store
+        .stream_status(None)
+        .await
+        .map_err(|e| RelayError::Runtime(e.into()))?;
+    let stream: Vec<serde_json::Value> = slots.iter().map(super::stream::slot_json).collect();
     let matcher = crate::store::Topics::only(&paused);
     let is_paused = |topic: &str| !paused.is_empty() && matcher.matches(topic);
     if json {
@@ -56,7 +61,7 @@ pub async fn run(settings: &Settings, json: bool, all: bool) -> Result<()> {
             .collect();
         println!(
             "{}",
-            serde_json::json!({"topics": stats.topics, "estimated": stats.estimated, "dead_total": stats.dead_total(), "stalled_keys": stalled, "paused": paused, "paused_topics": paused_topics, "schedules": schedules, "limits": limits, "retention": retention})
+            serde_json::json!({"topics": stats.topics, "estimated": stats.estimated, "dead_total": stats.dead_total(), "stalled_keys": stalled, "paused": paused, "paused_topics": paused_topics, "schedules": schedules, "limits": limits, "retention": retention, "stream": stream})
         );
     } else {
         println!(
@@ -167,6 +172,12 @@ pub async fn run(settings: &Settings, json: bool, all: bool) -> Result<()> {
                 retention["kept"],
                 retention["partitions"]
             );
+        }
+        if slots.is_empty() {
+            println!("stream: not set up");
+        }
+        for slot in &slots {
+            println!("stream {}", super::stream::text(slot));
         }
         if stalled.is_empty() {
             println!("stalled ordered keys: none");

@@ -221,7 +221,7 @@ fn topic_of(batch: &[ClaimedMessage], i: usize) -> String {
 }
 
 fn headers(m: &ClaimedMessage) -> OwnedHeaders {
-    let id = m.id.to_string();
+    let id = m.stream_id.clone().unwrap_or_else(|| m.id.to_string());
     let created = m.created_at.to_rfc3339();
     let mut h = OwnedHeaders::new_with_capacity(m.headers.len() + 3);
     // The relay's own names win over any that came in by plain SQL (enqueue refuses them).
@@ -401,6 +401,7 @@ mod tests {
             last_error: None,
             dedup_key: None,
             undecodable: None,
+            stream_id: None,
         };
         let h = headers(&m);
         let all: Vec<(String, String)> = h

@@ -110,8 +110,12 @@ pub fn line(m: &ClaimedMessage) -> String {
             (k.clone(), serde_json::Value::from(v))
         })
         .collect();
+    let id = match &m.stream_id {
+        Some(s) => serde_json::Value::from(s.as_str()),
+        None => serde_json::Value::from(m.id),
+    };
     serde_json::json!({
-        "id": m.id,
+        "id": id,
         "topic": m.topic,
         "key": m.key,
         "headers": headers,
@@ -202,6 +206,7 @@ mod tests {
             last_error: None,
             dedup_key: None,
             undecodable: None,
+            stream_id: None,
         };
         let l = super::line(&m);
         assert!(!l.contains("abc"), "{l}");

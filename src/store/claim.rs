@@ -197,6 +197,11 @@ pub struct ClaimedMessage {
     /// dead-letters such a message with this reason instead of handing it to a sink; its fields
     /// hold what could be read (`Null` payload, lossy text).
     pub undecodable: Option<String>,
+    /// Set for a message read from the WAL (stream mode, see [`crate::stream`]): its stable id,
+    /// the commit position of its transaction and its index in it (`<commit LSN, 16 hex
+    /// digits>-<index, 8 hex digits>`), the same on every redelivery. Sinks send it as
+    /// `postbox-id`; `id` is 0 then, and there is no lease.
+    pub stream_id: Option<String>,
 }
 
 /// The row as read, every field that can fail to decode read leniently.
@@ -266,6 +271,7 @@ impl From<RawClaimed> for ClaimedMessage {
             dedup_key: r.dedup_key.map(String::from),
             undecodable: (!problems.is_empty())
                 .then(|| format!("undecodable: {}", problems.join("; "))),
+            stream_id: None,
         }
     }
 }

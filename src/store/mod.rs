@@ -38,6 +38,8 @@ mod schedule;
 mod settle;
 #[cfg(feature = "async")]
 mod stats;
+#[cfg(feature = "async")]
+mod stream;
 
 #[cfg(feature = "async")]
 pub use self::{
@@ -56,6 +58,7 @@ pub use self::{
     stats::{
         EXACT_LIMIT, SAMPLE_ROWS, SampleRow, StalledKey, Stats, TOPIC_EXACT_LIMIT, TopicStats,
     },
+    stream::{StreamSetup, StreamSlot, check_slot_name},
 };
 
 #[cfg(feature = "engine")]

@@ -1119,6 +1119,40 @@ END
 $$;
 
 --
+-- Name: publish(text[]); Type: FUNCTION; Schema: postbox; Owner: -
+--
+
+CREATE FUNCTION postbox.publish(p_contents text[]) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_n integer := 0;
+BEGIN
+    IF current_setting('wal_level') <> 'logical' THEN
+        RAISE EXCEPTION 'postbox stream: wal_level is %, not logical: nothing would read a published message', current_setting('wal_level')
+            USING ERRCODE = '55000',
+                  HINT = 'Set wal_level = logical, restart the server, then run `postbox stream setup`; or enqueue the message instead.';
+    END IF;
+    IF NOT EXISTS (
+        SELECT 1
+        FROM postbox.stream_slots r
+        JOIN pg_catalog.pg_replication_slots s ON s.slot_name = r.slot_name
+        WHERE s.database = current_database()
+          AND s.slot_type = 'logical'
+          AND s.wal_status IS DISTINCT FROM 'lost'
+    ) THEN
+        RAISE EXCEPTION 'postbox stream: database % has no postbox stream slot (or its slot was lost): nothing would read a published message', current_database()
+            USING ERRCODE = '55000',
+                  HINT = 'Run `postbox stream setup` (an operator with the REPLICATION attribute); or enqueue the message instead.';
+    END IF;
+    SELECT count(pg_catalog.pg_logical_emit_message(true, 'postbox', c) ORDER BY i)
+    INTO v_n
+    FROM unnest(p_contents) WITH ORDINALITY AS u(c, i);
+    RETURN v_n;
+END
+$$;
+
+--
 -- Name: ready_state(timestamp with time zone); Type: FUNCTION; Schema: postbox; Owner: -
 --
 
@@ -1389,6 +1423,16 @@ CREATE TABLE postbox.schedules (
 );
 
 --
+-- Name: stream_slots; Type: TABLE; Schema: postbox; Owner: -
+--
+
+CREATE TABLE postbox.stream_slots (
+    slot_name text NOT NULL,
+    publication text NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+--
 -- Name: behind behind_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -
 --
 
@@ -1443,6 +1487,13 @@ ALTER TABLE ONLY postbox.samples
 
 ALTER TABLE ONLY postbox.schedules
     ADD CONSTRAINT schedules_pkey PRIMARY KEY (name);
+
+--
+-- Name: stream_slots stream_slots_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -
+--
+
+ALTER TABLE ONLY postbox.stream_slots
+    ADD CONSTRAINT stream_slots_pkey PRIMARY KEY (slot_name);
 
 --
 -- Name: completed_id_idx; Type: INDEX; Schema: postbox; Owner: -

@@ -97,6 +97,18 @@ topic_timeouts = { {{- range $pattern, $timeout := . }}{{ if not $first }},{{ en
 [retention]
 keep_completed = {{ . | quote }}
 {{- end }}
+{{- with .Values.config.stream }}
+{{- if .enabled }}
+
+[stream]
+slot = {{ .slot | quote }}
+publication = {{ .publication | quote }}
+create_slot = {{ .createSlot }}
+status_interval = {{ .statusInterval | quote }}
+batch_size = {{ .batchSize | int }}
+takeover_interval = {{ .takeoverInterval | quote }}
+{{- end }}
+{{- end }}
 
 [metrics]
 listen = "0.0.0.0:{{ .Values.config.metrics.port | int }}"

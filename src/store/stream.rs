@@ -1,0 +1,312 @@
+//! Stream mode's slots (see the migration `stream`): setting up, reading and dropping the logical
+//! replication slots a relay streams published messages from, and dead-lettering a stream message.
+
+use diesel::QueryableByName;
+use diesel::sql_types::{BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel_async::RunQueryDsl;
+
+use super::Store;
+use crate::error::{Error, Result};
+
+/// A stream slot as the server sees it.
+#[derive(Debug, Clone, PartialEq, QueryableByName)]
+pub struct StreamSlot {
+    /// The slot's name.
+    #[diesel(sql_type = Text)]
+    pub slot_name: String,
+    /// The publication the relay names when it streams.
+    #[diesel(sql_type = Text)]
+    pub publication: String,
+    /// Whether the server still has the slot (false: it was dropped behind postbox's back).
+    #[diesel(sql_type = Bool)]
+    pub exists: bool,
+    /// Whether a relay streams from it now.
+    #[diesel(sql_type = Bool)]
+    pub active: bool,
+    /// The server process that streams it, if any.
+    #[diesel(sql_type = Nullable<Integer>)]
+    pub active_pid: Option<i32>,
+    /// `reserved`, `extended`, `unreserved` or `lost` (the WAL it needed is gone).
+    #[diesel(sql_type = Nullable<Text>)]
+    pub wal_status: Option<String>,
+    /// Bytes of WAL that can still be written before the slot is lost
+    /// (`max_slot_wal_keep_size`); none when unlimited.
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub safe_wal_size: Option<i64>,
+    /// The position the relay confirmed: everything committed before it was delivered.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub confirmed_lsn: Option<String>,
+    /// The server's WAL position now.
+    #[diesel(sql_type = Text)]
+    pub current_lsn: String,
+    /// Bytes of WAL between the confirmed position and the server's position: what a relay has
+    /// still to read (most of it, when idle, is other work's WAL it will skip).
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub lag_bytes: Option<i64>,
+    /// Bytes of WAL the slot keeps on the server's disk.
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub retained_bytes: Option<i64>,
+}
+
+impl StreamSlot {
+    /// Whether the slot can no longer be streamed: lost (`wal_status = lost`) or dropped.
+    pub fn is_lost(&self) -> bool {
+        !self.exists || self.wal_status.as_deref() == Some("lost")
+    }
+}
+
+const STATUS: &str = "
+SELECT r.slot_name, r.publication, s.slot_name IS NOT NULL AS exists,
+       coalesce(s.active, false) AS active, s.active_pid, s.wal_status::text AS wal_status,
+       s.safe_wal_size, s.confirmed_flush_lsn::text AS confirmed_lsn,
+       pg_current_wal_lsn()::text AS current_lsn,
+       (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint AS lag_bytes,
+       (pg_current_wal_lsn() - s.restart_lsn)::bigint AS retained_bytes
+FROM postbox.stream_slots r
+LEFT JOIN pg_catalog.pg_replication_slots s
+       ON s.slot_name = r.slot_name AND s.database = current_database()
+WHERE $1::text IS NULL OR r.slot_name = $1
+ORDER BY r.slot_name";
+
+/// What `stream_setup` did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StreamSetup {
+    /// The publication was created (it did not exist).
+    pub created_publication: bool,
+    /// The slot was created (it did not exist, or it was lost and was replaced).
+    pub created_slot: bool,
+    /// The slot replaced was lost: what was published after its confirmed position, up to this
+    /// setup, was never delivered (the range, `from..to`).
+    pub replaced_lost: Option<String>,
+}
+
+#[derive(QueryableByName)]
+struct Flag {
+    #[diesel(sql_type = Bool)]
+    flag: bool,
+}
+
+#[derive(QueryableByName)]
+struct Setting {
+    #[diesel(sql_type = Text)]
+    value: String,
+}
+
+/// A name PostgreSQL accepts for a replication slot (and postbox for a publication): lower-case
+/// letters, digits and underscores, at most 63 bytes.
+pub fn check_slot_name(field: &'static str, name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument {
+            field,
+            problem: format!(
+                "{name:?}: use 1 to 63 lower-case letters, digits and underscores (a replication slot name)"
+            ),
+        })
+    }
+}
+
+impl Store {
+    /// What this server and role lack for stream mode, each as a sentence naming the setting or
+    /// privilege (empty when nothing is missing).
+    pub async fn stream_prerequisites(&self) -> Result<Vec<String>> {
+        let mut conn = self.conn().await?;
+        let mut missing = Vec::new();
+        let level: Setting = diesel::sql_query("SELECT current_setting('wal_level') AS value")
+            .get_result(&mut *conn)
+            .await?;
+        if level.value != "logical" {
+            missing.push(format!(
+                "wal_level is {}, stream mode needs logical (set it and restart the server; RDS and Aurora: rds.logical_replication = 1, Cloud SQL: cloudsql.logical_decoding = on, Azure: wal_level = logical in the server parameters)",
+                level.value
+            ));
+        }
+        let replication: Flag = diesel::sql_query(
+            "SELECT rolreplication OR rolsuper AS flag FROM pg_catalog.pg_roles WHERE rolname = current_user",
+        )
+        .get_result(&mut *conn)
+        .await?;
+        if !replication.flag {
+            missing.push(
+                "the role has no REPLICATION attribute (ALTER ROLE ... REPLICATION; RDS: GRANT rds_replication)"
+                    .into(),
+            );
+        }
+        let slots: Flag = diesel::sql_query(
+            "SELECT current_setting('max_replication_slots')::int > (SELECT count(*) FROM pg_catalog.pg_replication_slots) AS flag",
+        )
+        .get_result(&mut *conn)
+        .await?;
+        if !slots.flag {
+            missing.push(
+                "max_replication_slots is reached: no slot is free for postbox (raise it and restart the server)"
+                    .into(),
+            );
+        }
+        Ok(missing)
+    }
+
+    /// The stream slots registered in this database (or only `slot`), with the server's view of
+    /// each: active, WAL status, lag.
+    pub async fn stream_status(&self, slot: Option<&str>) -> Result<Vec<StreamSlot>> {
+        Ok(diesel::sql_query(STATUS)
+            .bind::<Nullable<Text>, _>(slot)
+            .load(&mut *self.conn().await?)
+            .await?)
+    }
+
+    /// Sets up stream mode in this database: the publication (empty: only logical-decoding
+    /// messages are streamed) and the slot, registered so that `publish` accepts messages. Safe
+    /// to run again. A slot that was lost (or dropped behind postbox's back) is replaced, and
+    /// the report says which range of the WAL was never delivered: this is the explicit operator
+    /// command a lost slot waits for.
+    pub async fn stream_setup(&self, slot: &str, publication: &str) -> Result<StreamSetup> {
+        check_slot_name("stream.slot", slot)?;
+        check_slot_name("stream.publication", publication)?;
+        let missing = self.stream_prerequisites().await?;
+        if !missing.is_empty() {
+            return Err(Error::InvalidArgument {
+                field: "stream",
+                problem: missing.join("; "),
+            });
+        }
+        let mut conn = self.conn().await?;
+        let mut report = StreamSetup::default();
+        let has_publication: Flag = diesel::sql_query(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = $1) AS flag",
+        )
+        .bind::<Text, _>(publication)
+        .get_result(&mut *conn)
+        .await?;
+        if !has_publication.flag {
+            // Names are checked above: plain identifiers, safe to splice.
+            diesel::sql_query(format!("CREATE PUBLICATION {publication}"))
+                .execute(&mut *conn)
+                .await?;
+            report.created_publication = true;
+        }
+        let existing: Vec<StreamSlot> = diesel::sql_query(STATUS)
+            .bind::<Nullable<Text>, _>(Some(slot))
+            .load(&mut *conn)
+            .await?;
+        let server_has: Flag = diesel::sql_query(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1) AS flag",
+        )
+        .bind::<Text, _>(slot)
+        .get_result(&mut *conn)
+        .await?;
+        let lost = <[StreamSlot]>::first(&existing).filter(|s| s.is_lost());
+        if let Some(s) = lost {
+            report.replaced_lost = Some(format!(
+                "{}..{}",
+                s.confirmed_lsn.as_deref().unwrap_or("?"),
+                s.current_lsn
+            ));
+            if server_has.flag {
+                diesel::sql_query("SELECT pg_catalog.pg_drop_replication_slot($1)")
+                    .bind::<Text, _>(slot)
+                    .execute(&mut *conn)
+                    .await?;
+            }
+        }
+        if !server_has.flag || lost.is_some() {
+            diesel::sql_query(
+                "SELECT 1 FROM pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput')",
+            )
+            .bind::<Text, _>(slot)
+            .execute(&mut *conn)
+            .await?;
+            report.created_slot = true;
+        }
+        diesel::sql_query(
+            "INSERT INTO postbox.stream_slots (slot_name, publication) VALUES ($1, $2)
+             ON CONFLICT (slot_name) DO UPDATE SET publication = EXCLUDED.publication",
+        )
+        .bind::<Text, _>(slot)
+        .bind::<Text, _>(publication)
+        .execute(&mut *conn)
+        .await?;
+        Ok(report)
+    }
+
+    /// Drops the slot (if the server has it) and forgets it: `publish` refuses messages from now
+    /// on unless another slot is set up. The publication is dropped too when no other slot names
+    /// it. Returns whether the slot was registered.
+    pub async fn stream_drop(&self, slot: &str) -> Result<bool> {
+        check_slot_name("stream.slot", slot)?;
+        let mut conn = self.conn().await?;
+        let registered: Vec<StreamSlot> = diesel::sql_query(STATUS)
+            .bind::<Nullable<Text>, _>(Some(slot))
+            .load(&mut *conn)
+            .await?;
+        // Forget it first: from here on, publish refuses rather than writing into a slot that is
+        // about to go.
+        diesel::sql_query("DELETE FROM postbox.stream_slots WHERE slot_name = $1")
+            .bind::<Text, _>(slot)
+            .execute(&mut *conn)
+            .await?;
+        diesel::sql_query(
+            "SELECT pg_catalog.pg_drop_replication_slot(slot_name) FROM pg_catalog.pg_replication_slots
+             WHERE slot_name = $1 AND database = current_database()",
+        )
+        .bind::<Text, _>(slot)
+        .execute(&mut *conn)
+        .await?;
+        if let Some(r) = <[StreamSlot]>::first(&registered) {
+            let still_named: Flag = diesel::sql_query(
+                "SELECT EXISTS (SELECT 1 FROM postbox.stream_slots WHERE publication = $1) AS flag",
+            )
+            .bind::<Text, _>(&r.publication)
+            .get_result(&mut *conn)
+            .await?;
+            if !still_named.flag {
+                diesel::sql_query(format!("DROP PUBLICATION IF EXISTS {}", r.publication))
+                    .execute(&mut *conn)
+                    .await?;
+            }
+        }
+        Ok(!registered.is_empty())
+    }
+
+    /// Dead-letters a stream message (one the sink refused for good, or one that cannot be read)
+    /// with `reason`, unless a dead letter of the same stream id exists (a redelivery after a
+    /// restart). `dead replay` puts it into the table queue like any dead letter.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn stream_dead_letter(
+        &self,
+        stream_id: &str,
+        topic: &str,
+        key: Option<&str>,
+        payload: &serde_json::Value,
+        headers: &serde_json::Value,
+        created_at: chrono::DateTime<chrono::Utc>,
+        reason: &str,
+    ) -> Result<bool> {
+        let n = diesel::sql_query(
+            "INSERT INTO postbox.dead_letters
+                 (id, topic, key, ordered, payload, headers, priority, attempts, max_attempts,
+                  created_at, first_error, last_error, reason)
+             SELECT nextval(pg_get_serial_sequence('postbox.messages', 'id')), $1, $2, false, $3,
+                    $4 || jsonb_build_object('postbox-stream-id', $5::text), 0, 1, 1, $6, $7, $7, $7
+             WHERE NOT EXISTS (
+                 SELECT 1 FROM postbox.dead_letters
+                 WHERE headers @> jsonb_build_object('postbox-stream-id', $5::text))",
+        )
+        .bind::<Text, _>(topic)
+        .bind::<Nullable<Text>, _>(key)
+        .bind::<Jsonb, _>(payload)
+        .bind::<Jsonb, _>(headers)
+        .bind::<Text, _>(stream_id)
+        .bind::<Timestamptz, _>(created_at)
+        .bind::<Text, _>(reason)
+        .execute(&mut *self.conn().await?)
+        .await?;
+        Ok(n == 1)
+    }
+}

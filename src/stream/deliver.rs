@@ -1,0 +1,314 @@
+//! Delivering one batch of stream messages through the routes' sinks, until every message is
+//! delivered or dead-lettered: the stream's position may then pass them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures_util::FutureExt;
+
+use super::encoding::{DecodeError, Encoded};
+use crate::sink::{Outcome, Sink};
+use crate::store::{ClaimedMessage, Store};
+
+/// A message read from the stream, not yet delivered.
+#[derive(Debug, Clone)]
+pub struct Item {
+    /// Its stable id (see [`ClaimedMessage::stream_id`]).
+    pub id: String,
+    /// The commit time of its transaction (the created time when the writer gave none).
+    pub committed_at: DateTime<Utc>,
+    /// What it says, or why it cannot be read.
+    pub message: Result<Encoded, (DecodeError, String)>,
+}
+
+/// How many times a message a sink answers `Retry` for is sent again before it is dead-lettered
+/// (a stream message has no attempts column: this bounds a poison message's hold on the stream).
+pub const MAX_RETRIES: u32 = 5;
+
+/// What a batch came to.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Delivered {
+    pub delivered: u64,
+    pub dead_lettered: u64,
+}
+
+/// The batch could not be finished before the relay was asked to stop: the position stays
+/// before it, so it is streamed again at the next start.
+#[derive(Debug)]
+pub struct Stopped;
+
+struct Slot {
+    item: usize,
+    sink: usize,
+    message: ClaimedMessage,
+    retries: u32,
+}
+
+fn claimed(id: &str, m: &Encoded, committed_at: DateTime<Utc>) -> ClaimedMessage {
+    let at = m.created_at.unwrap_or(committed_at);
+    ClaimedMessage {
+        id: 0,
+        topic: m.topic.clone(),
+        key: m.key.clone(),
+        ordered: m.key.is_some(),
+        payload: m.payload.clone(),
+        headers: m.headers.clone(),
+        priority: 0,
+        run_at: at,
+        attempts: 1,
+        max_attempts: 1,
+        created_at: at,
+        locked_until: at,
+        lease_token: 0,
+        last_error: None,
+        dedup_key: None,
+        undecodable: None,
+        stream_id: Some(id.to_owned()),
+    }
+}
+
+/// Delivers `items` in order through `sinks` (the first whose topics match a message's topic):
+/// what a sink refuses for good, what no route serves and what cannot be read is dead-lettered
+/// with its reason; a sink that is away (or a topic it cannot take now) is waited for with a
+/// back-off, without counting attempts, and the messages from its first undelivered one on are
+/// sent again, so a key's messages reach it in commit order.
+pub async fn deliver(
+    store: &Store,
+    sinks: &[Arc<dyn Sink>],
+    items: &[Item],
+    max_backoff: Duration,
+    stop: &tokio_util::sync::CancellationToken,
+) -> Result<Delivered, Stopped> {
+    let mut done = Delivered::default();
+    let mut pending: Vec<Slot> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        match &item.message {
+            Err((why, raw)) => {
+                let payload = serde_json::Value::String(raw.clone());
+                dead_letter(
+                    store,
+                    &item.id,
+                    "(undecodable)",
+                    None,
+                    &payload,
+                    &Default::default(),
+                    item.committed_at,
+                    &format!("stream: {why}"),
+                    stop,
+                )
+                .await?;
+                done.dead_lettered += 1;
+            }
+            Ok(m) => match sinks.iter().position(|s| s.topics().matches(&m.topic)) {
+                Some(sink) => pending.push(Slot {
+                    item: i,
+                    sink,
+                    message: claimed(&item.id, m, item.committed_at),
+                    retries: 0,
+                }),
+                None => {
+                    dead_letter(
+                        store,
+                        &item.id,
+                        &m.topic,
+                        m.key.as_deref(),
+                        &m.payload,
+                        &m.headers,
+                        m.created_at.unwrap_or(item.committed_at),
+                        &format!("stream: no route serves topic {:?}", m.topic),
+                        stop,
+                    )
+                    .await?;
+                    done.dead_lettered += 1;
+                }
+            },
+        }
+    }
+    let mut pause = Duration::from_millis(100);
+    while !pending.is_empty() {
+        // Every sink's share, in order, sent concurrently across sinks.
+        let rounds = sinks.iter().enumerate().map(|(s, sink)| {
+            let mine: Vec<&Slot> = pending.iter().filter(|p| p.sink == s).collect();
+            async move {
+                let mut outcomes = Vec::with_capacity(mine.len());
+                for chunk in mine.chunks(sink.max_batch().max(1)) {
+                    let batch: Vec<ClaimedMessage> =
+                        chunk.iter().map(|p| p.message.clone()).collect();
+                    let n = batch.len();
+                    let result = std::panic::AssertUnwindSafe(sink.deliver(batch))
+                        .catch_unwind()
+                        .await;
+                    match result {
+                        Ok(Ok(o)) if o.len() == n => outcomes.extend(o),
+                        Ok(Ok(o)) => outcomes.extend(std::iter::repeat_n(
+                            Outcome::Retry {
+                                reason: format!(
+                                    "sink {} answered {} outcomes for {n} messages",
+                                    sink.name(),
+                                    o.len()
+                                ),
+                                delay: None,
+                            },
+                            n,
+                        )),
+                        Ok(Err(e)) => outcomes.extend(std::iter::repeat_n(
+                            Outcome::Release {
+                                reason: e.to_string(),
+                            },
+                            n,
+                        )),
+                        Err(_) => outcomes.extend(std::iter::repeat_n(
+                            Outcome::Retry {
+                                reason: format!("sink {} panicked", sink.name()),
+                                delay: None,
+                            },
+                            n,
+                        )),
+                    }
+                    // A chunk that did not go through: later chunks wait for the next round, so
+                    // they do not overtake it.
+                    if outcomes
+                        .iter()
+                        .any(|o| !matches!(o, Outcome::Delivered | Outcome::Dead { .. }))
+                    {
+                        break;
+                    }
+                }
+                (s, outcomes)
+            }
+        });
+        let answers = futures_util::future::join_all(rounds).await;
+        let mut keep: Vec<Slot> = Vec::new();
+        let mut by_sink: Vec<Vec<Slot>> = (0..sinks.len()).map(|_| Vec::new()).collect();
+        for p in pending.drain(..) {
+            let s = p.sink;
+            by_sink[s].push(p);
+        }
+        let mut waiting = false;
+        for (s, outcomes) in answers {
+            let mine = std::mem::take(&mut by_sink[s]);
+            let mut resend_from: Option<usize> = None;
+            for (j, mut p) in mine.into_iter().enumerate() {
+                let outcome = outcomes.get(j).cloned();
+                if resend_from.is_some() {
+                    keep.push(p);
+                    continue;
+                }
+                match outcome {
+                    Some(Outcome::Delivered) => done.delivered += 1,
+                    Some(Outcome::Dead { reason }) => {
+                        dead(store, &p, &reason, stop).await?;
+                        done.dead_lettered += 1;
+                    }
+                    Some(Outcome::Retry { reason, .. }) if p.retries + 1 >= MAX_RETRIES => {
+                        dead(
+                            store,
+                            &p,
+                            &format!("{reason} (after {MAX_RETRIES} tries)"),
+                            stop,
+                        )
+                        .await?;
+                        done.dead_lettered += 1;
+                    }
+                    Some(Outcome::Retry { reason, .. }) => {
+                        tracing::warn!(stream_id = ?p.message.stream_id, %reason, "stream: delivery failed, sending again");
+                        p.retries += 1;
+                        resend_from = Some(j);
+                        keep.push(p);
+                    }
+                    other => {
+                        if let Some(
+                            Outcome::Release { reason } | Outcome::TopicUnavailable { reason },
+                        ) = &other
+                        {
+                            tracing::warn!(sink = sinks[s].name(), %reason, "stream: sink unavailable, waiting");
+                        }
+                        waiting = true;
+                        resend_from = Some(j);
+                        keep.push(p);
+                    }
+                }
+            }
+        }
+        keep.sort_by_key(|p| p.item);
+        pending = keep;
+        if pending.is_empty() {
+            break;
+        }
+        if !waiting {
+            pause = Duration::from_millis(100);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = stop.cancelled() => return Err(Stopped),
+        }
+        if waiting {
+            pause = (pause * 2).min(max_backoff);
+        }
+    }
+    Ok(done)
+}
+
+async fn dead(
+    store: &Store,
+    p: &Slot,
+    reason: &str,
+    stop: &tokio_util::sync::CancellationToken,
+) -> Result<(), Stopped> {
+    let m = &p.message;
+    dead_letter(
+        store,
+        m.stream_id.as_deref().unwrap_or_default(),
+        &m.topic,
+        m.key.as_deref(),
+        &m.payload,
+        &m.headers,
+        m.created_at,
+        reason,
+        stop,
+    )
+    .await
+}
+
+/// Dead-letters one stream message, retrying while the database is away (the position cannot
+/// pass a message that is neither delivered nor dead-lettered).
+#[allow(clippy::too_many_arguments)]
+async fn dead_letter(
+    store: &Store,
+    id: &str,
+    topic: &str,
+    key: Option<&str>,
+    payload: &serde_json::Value,
+    headers: &std::collections::BTreeMap<String, String>,
+    created_at: DateTime<Utc>,
+    reason: &str,
+    stop: &tokio_util::sync::CancellationToken,
+) -> Result<(), Stopped> {
+    let headers = serde_json::to_value(headers).expect("a string map is JSON");
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match store
+            .stream_dead_letter(id, topic, key, payload, &headers, created_at, reason)
+            .await
+        {
+            Ok(_) => {
+                tracing::warn!(
+                    stream_id = id,
+                    topic,
+                    reason,
+                    "stream: message dead-lettered"
+                );
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::warn!(stream_id = id, error = %e, "stream: cannot write the dead letter yet")
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = stop.cancelled() => return Err(Stopped),
+        }
+        pause = (pause * 2).min(Duration::from_secs(10));
+    }
+}

@@ -1,0 +1,408 @@
+//! The streamer: reads published messages from the slot in commit order, delivers them through
+//! the routes' sinks, and confirms to PostgreSQL only the position up to which every message was
+//! delivered or dead-lettered. One relay streams a slot at a time (PostgreSQL lets one session
+//! hold it); the others wait and take it over when it is free.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
+use tokio_util::sync::CancellationToken;
+
+use super::deliver::{Delivered, Item, deliver};
+use super::encoding::{Encoded, PREFIX};
+use crate::sink::Sink;
+use crate::store::Store;
+
+/// `[stream]` of the relay's configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StreamConfig {
+    /// The logical replication slot (default `postbox`).
+    pub slot: String,
+    /// The publication named when streaming (default `postbox_stream`; it holds no tables).
+    pub publication: String,
+    /// Set up the slot and publication at start when they were never set up (default true). A
+    /// slot that was set up and then lost or dropped is never recreated at start: only
+    /// `postbox stream setup` does that, after an operator has seen what was lost.
+    pub create_slot: bool,
+    /// How often the confirmed position is sent to the server (default 1 s).
+    pub status_interval: Duration,
+    /// Messages delivered together (default 1,000): with the replication buffer, what the relay
+    /// holds in memory at most, whatever the size of a transaction.
+    pub batch_size: usize,
+    /// How often a relay that waits for the slot (another one streams it) tries to take it
+    /// (default 1 s).
+    pub takeover_interval: Duration,
+    /// The longest back-off while a sink is away (default 30 s).
+    pub max_backoff: Duration,
+}
+
+impl Default for StreamConfig {
+    fn default() -> Self {
+        StreamConfig {
+            slot: "postbox".into(),
+            publication: "postbox_stream".into(),
+            create_slot: true,
+            status_interval: Duration::from_secs(1),
+            batch_size: 1000,
+            takeover_interval: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Why the streamer stopped for good.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    /// The slot is lost (its WAL was removed, `max_slot_wal_keep_size`) or was dropped: what was
+    /// published in the range was never delivered. Only `postbox stream setup` replaces it.
+    #[error(
+        "stream slot {slot:?} is lost ({why}): messages published from {from} to {to} were not delivered and cannot be; run `postbox stream setup` to create a new slot once this is handled"
+    )]
+    SlotLost {
+        slot: String,
+        why: String,
+        from: String,
+        to: String,
+    },
+    /// Stream mode cannot run here (names what is missing).
+    #[error("stream mode cannot start: {0}")]
+    Unavailable(String),
+}
+
+/// What the streamer did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct StreamReport {
+    pub delivered: u64,
+    pub dead_lettered: u64,
+    /// The last position confirmed to the server.
+    pub confirmed: Option<String>,
+}
+
+/// Reports what the streamer is doing (metrics).
+pub trait StreamObserver: Send + Sync {
+    /// Streaming (true) or waiting for the slot / reconnecting (false).
+    fn stream_active(&self, active: bool);
+    /// A batch was finished.
+    fn stream_delivered(&self, done: Delivered);
+    /// The slot is lost.
+    fn stream_lost(&self);
+}
+
+/// The streamer of one slot.
+pub struct Streamer {
+    pub url: String,
+    pub config: StreamConfig,
+    pub sinks: Vec<Arc<dyn Sink>>,
+    pub store: Store,
+    pub observer: Option<Arc<dyn StreamObserver>>,
+}
+
+enum Ended {
+    Stopped,
+    Broken(String),
+}
+
+fn lsn_text(l: Lsn) -> String {
+    format!("{:X}/{:X}", l.0 >> 32, l.0 & 0xffff_ffff)
+}
+
+/// The stable id of the `index`-th message of the transaction that committed at `commit`.
+pub fn stream_id(commit: u64, index: u32) -> String {
+    format!("{commit:016X}-{index:08X}")
+}
+
+fn pg_time(micros: i64) -> chrono::DateTime<chrono::Utc> {
+    // PostgreSQL's epoch is 2000-01-01.
+    chrono::DateTime::from_timestamp_micros(micros + 946_684_800_000_000).unwrap_or_default()
+}
+
+impl Streamer {
+    fn observe(&self, f: impl FnOnce(&dyn StreamObserver)) {
+        if let Some(o) = &self.observer {
+            f(o.as_ref());
+        }
+    }
+
+    /// Checks the slot before streaming: set up when never set up (with `create_slot`), loud when
+    /// lost or dropped.
+    async fn ensure_slot(&self) -> Result<(), Result<StreamError, crate::Error>> {
+        let slots = self
+            .store
+            .stream_status(Some(&self.config.slot))
+            .await
+            .map_err(Err)?;
+        match slots.first() {
+            Some(s) if s.is_lost() => {
+                self.observe(|o| o.stream_lost());
+                Err(Ok(StreamError::SlotLost {
+                    slot: s.slot_name.clone(),
+                    why: if s.exists {
+                        "wal_status = lost: the server removed WAL it had not delivered".into()
+                    } else {
+                        "the server has no such slot: it was dropped".into()
+                    },
+                    from: s
+                        .confirmed_lsn
+                        .clone()
+                        .unwrap_or_else(|| "its last confirmed position".into()),
+                    to: s.current_lsn.clone(),
+                }))
+            }
+            Some(_) => Ok(()),
+            None if self.config.create_slot => {
+                let missing = self.store.stream_prerequisites().await.map_err(Err)?;
+                if !missing.is_empty() {
+                    return Err(Ok(StreamError::Unavailable(missing.join("; "))));
+                }
+                let setup = self
+                    .store
+                    .stream_setup(&self.config.slot, &self.config.publication)
+                    .await
+                    .map_err(Err)?;
+                tracing::info!(slot = %self.config.slot, ?setup, "stream: slot set up");
+                Ok(())
+            }
+            None => Err(Ok(StreamError::Unavailable(format!(
+                "slot {:?} is not set up in this database (run `postbox stream setup`, or set stream.create_slot = true)",
+                self.config.slot
+            )))),
+        }
+    }
+
+    /// Streams until `stop`, reconnecting after a broken session and waiting while another relay
+    /// holds the slot. Returns an error only for what a restart cannot fix (a lost slot, a server
+    /// without logical decoding).
+    pub async fn run(self, stop: CancellationToken) -> Result<StreamReport, StreamError> {
+        let mut report = StreamReport::default();
+        let mut pause = Duration::from_millis(250);
+        let mut waiting_logged = false;
+        while !stop.is_cancelled() {
+            match self.ensure_slot().await {
+                Ok(()) => {}
+                Err(Ok(fatal)) => return Err(fatal),
+                Err(Err(e)) => {
+                    tracing::warn!(error = %crate::config::redact_url(&e.to_string()), retry_in = ?pause, "stream: database unreachable");
+                    if sleep_or_stop(pause, &stop).await {
+                        break;
+                    }
+                    pause = (pause * 2).min(Duration::from_secs(30));
+                    continue;
+                }
+            }
+            let cfg = super::connect::replication_config(
+                &self.url,
+                &self.config.slot,
+                &self.config.publication,
+                self.config.status_interval,
+                self.config.batch_size.max(64),
+            )
+            .map_err(StreamError::Unavailable)?;
+            let mut client = match ReplicationClient::connect(cfg).await {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "stream: cannot connect");
+                    if sleep_or_stop(pause, &stop).await {
+                        break;
+                    }
+                    pause = (pause * 2).min(Duration::from_secs(30));
+                    continue;
+                }
+            };
+            let started = tokio::select! {
+                r = client.wait_started() => r,
+                _ = stop.cancelled() => { client.abort(); break; }
+            };
+            match started {
+                Ok(()) => {}
+                Err(e) if slot_in_use(&e) => {
+                    if !waiting_logged {
+                        tracing::info!(slot = %self.config.slot, "stream: another relay streams the slot; standing by to take over");
+                        waiting_logged = true;
+                    }
+                    self.observe(|o| o.stream_active(false));
+                    if sleep_or_stop(self.config.takeover_interval, &stop).await {
+                        break;
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(slot = %self.config.slot, error = %e, retry_in = ?pause, "stream: cannot start streaming");
+                    if sleep_or_stop(pause, &stop).await {
+                        break;
+                    }
+                    pause = (pause * 2).min(Duration::from_secs(30));
+                    continue;
+                }
+            }
+            waiting_logged = false;
+            pause = Duration::from_millis(250);
+            tracing::info!(slot = %self.config.slot, "stream: streaming");
+            self.observe(|o| o.stream_active(true));
+            let ended = self.session(&mut client, &stop, &mut report).await;
+            self.observe(|o| o.stream_active(false));
+            match ended {
+                Ended::Stopped => {
+                    // Let the last confirmed position reach the server before the session ends,
+                    // so the next start does not stream again what was delivered.
+                    let deadline = self.config.status_interval * 3 + Duration::from_secs(2);
+                    let since = std::time::Instant::now();
+                    while client.feedback_pending_since().is_some() && since.elapsed() < deadline {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    client.stop();
+                    let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;
+                    break;
+                }
+                Ended::Broken(why) => {
+                    client.abort();
+                    tracing::warn!(slot = %self.config.slot, error = %why, "stream: session ended, reconnecting");
+                    if sleep_or_stop(pause, &stop).await {
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    async fn session(
+        &self,
+        client: &mut ReplicationClient,
+        stop: &CancellationToken,
+        report: &mut StreamReport,
+    ) -> Ended {
+        const LINGER: Duration = Duration::from_millis(2);
+        let mut batch: Vec<Item> = Vec::new();
+        // The transaction being read: its commit position, commit time and messages so far.
+        let mut tx: Option<(u64, chrono::DateTime<chrono::Utc>, u32)> = None;
+        // A commit read while its messages are in the batch: confirmed once the batch is done.
+        let mut confirm_after: Option<Lsn> = None;
+        loop {
+            let event = if batch.is_empty() {
+                tokio::select! {
+                    e = client.recv() => e,
+                    _ = stop.cancelled() => return Ended::Stopped,
+                }
+            } else {
+                tokio::select! {
+                    biased;
+                    e = client.recv() => e,
+                    _ = tokio::time::sleep(LINGER) => {
+                        if let Err(e) = self.flush(client, &mut batch, &mut confirm_after, stop, report).await { return e; }
+                        continue;
+                    }
+                }
+            };
+            let event = match event {
+                Ok(Some(e)) => e,
+                Ok(None) => return Ended::Broken("the replication stream ended".into()),
+                Err(e) => return Ended::Broken(e.to_string()),
+            };
+            match event {
+                ReplicationEvent::Begin {
+                    final_lsn,
+                    commit_time_micros,
+                    ..
+                } => tx = Some((final_lsn.0, pg_time(commit_time_micros), 0)),
+                ReplicationEvent::Message {
+                    prefix,
+                    content,
+                    lsn,
+                    transactional,
+                } if prefix == PREFIX => {
+                    let (commit, at, index) = match (&mut tx, transactional) {
+                        (Some((commit, at, n)), true) => {
+                            *n += 1;
+                            (*commit, *at, *n - 1)
+                        }
+                        // Emitted outside a transaction: its own position is its id.
+                        _ => (lsn.0, chrono::Utc::now(), 0),
+                    };
+                    batch.push(Item {
+                        id: stream_id(commit, index),
+                        committed_at: at,
+                        message: Encoded::decode(&content).map_err(|e| {
+                            (
+                                e,
+                                String::from_utf8_lossy(&content[..content.len().min(64 * 1024)])
+                                    .into_owned(),
+                            )
+                        }),
+                    });
+                    if batch.len() >= self.config.batch_size
+                        && let Err(e) = self
+                            .flush(client, &mut batch, &mut confirm_after, stop, report)
+                            .await
+                    {
+                        return e;
+                    }
+                }
+                ReplicationEvent::Commit { end_lsn, .. } => {
+                    tx = None;
+                    if batch.is_empty() {
+                        confirm(client, end_lsn, report);
+                    } else {
+                        confirm_after = Some(end_lsn);
+                    }
+                }
+                // Nothing is in flight: everything before the server's position is delivered
+                // (this is what moves the slot while no message is published).
+                ReplicationEvent::KeepAlive { wal_end, .. } if batch.is_empty() && tx.is_none() => {
+                    confirm(client, wal_end, report);
+                }
+                ReplicationEvent::StoppedAt { .. } => return Ended::Stopped,
+                _ => {}
+            }
+        }
+    }
+
+    async fn flush(
+        &self,
+        client: &ReplicationClient,
+        batch: &mut Vec<Item>,
+        confirm_after: &mut Option<Lsn>,
+        stop: &CancellationToken,
+        report: &mut StreamReport,
+    ) -> Result<(), Ended> {
+        let done = deliver(
+            &self.store,
+            &self.sinks,
+            batch,
+            self.config.max_backoff,
+            stop,
+        )
+        .await
+        .map_err(|_| Ended::Stopped)?;
+        batch.clear();
+        report.delivered += done.delivered;
+        report.dead_lettered += done.dead_lettered;
+        self.observe(|o| o.stream_delivered(done));
+        if let Some(l) = confirm_after.take() {
+            confirm(client, l, report);
+        }
+        Ok(())
+    }
+}
+
+fn confirm(client: &ReplicationClient, lsn: Lsn, report: &mut StreamReport) {
+    if lsn.0 == 0 {
+        return;
+    }
+    client.update_applied_lsn(lsn);
+    report.confirmed = Some(lsn_text(lsn));
+}
+
+/// PostgreSQL's answer when another session holds the slot (SQLSTATE 55006).
+fn slot_in_use(e: &PgWireError) -> bool {
+    let text = e.to_string();
+    text.contains("55006") || text.contains("is active for PID")
+}
+
+/// Sleeps `d`; true if `stop` came first.
+async fn sleep_or_stop(d: Duration, stop: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => false,
+        _ = stop.cancelled() => true,
+    }
+}

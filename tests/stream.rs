@@ -1,0 +1,523 @@
+//! Stream mode: `publish` writes into the WAL in the caller's transaction; a relay with `[stream]`
+//! reads the slot and delivers in commit order, confirming only what its sink stored. Each test
+//! runs a PostgreSQL of its own with `wal_level = logical`.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{OwnServer, TestDb, free_port, hermetic, http_get};
+use diesel::{Connection, PgConnection, RunQueryDsl};
+use postbox::{Error, InvalidMessage, Message};
+
+fn logical() -> OwnServer {
+    OwnServer::start(&["wal_level=logical", "max_wal_senders=10"])
+}
+
+/// A relay process (`postbox run`) whose log sink's lines are collected.
+struct Relay {
+    child: Child,
+    lines: Arc<Mutex<Vec<serde_json::Value>>>,
+    pub metrics_port: u16,
+    stderr: std::path::PathBuf,
+}
+
+impl Relay {
+    fn start(url: &str, extra: &str) -> Relay {
+        let dir = std::env::temp_dir().join(format!("postbox-stream-{}", free_port()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let metrics_port = free_port();
+        let config = dir.join("relay.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "database_url = \"{url}\"\n[metrics]\nlisten = \"127.0.0.1:{metrics_port}\"\nsample_interval = \"200ms\"\n[stream]\nstatus_interval = \"200ms\"\ntakeover_interval = \"200ms\"\n{extra}\n"
+            ),
+        )
+        .unwrap();
+        let stderr = dir.join("stderr");
+        let mut child = hermetic(env!("CARGO_BIN_EXE_postbox"))
+            .args(["run", "--config", config.to_str().unwrap()])
+            .env("RUST_LOG", "postbox=info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .unwrap();
+        let lines: Arc<Mutex<Vec<serde_json::Value>>> = Arc::default();
+        let (out, l) = (child.stdout.take().unwrap(), lines.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if let Ok(v) = serde_json::from_str(&line) {
+                    l.lock().unwrap().push(v);
+                }
+            }
+        });
+        Relay {
+            child,
+            lines,
+            metrics_port,
+            stderr,
+        }
+    }
+
+    fn lines(&self) -> Vec<serde_json::Value> {
+        self.lines.lock().unwrap().clone()
+    }
+
+    /// Waits until `n` lines arrived (false after `deadline`).
+    fn wait_lines(&self, n: usize, deadline: Duration) -> bool {
+        wait(deadline, || self.lines.lock().unwrap().len() >= n)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    fn metric(&self, name: &str) -> Option<f64> {
+        let (_, body) = http_get(self.metrics_port, "/metrics")?;
+        body.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn terminate(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn wait(deadline: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    f()
+}
+
+fn setup(db: &TestDb) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let store = db.store().await;
+        store
+            .stream_setup("postbox", "postbox_stream")
+            .await
+            .unwrap();
+    });
+}
+
+fn publish(conn: &mut PgConnection, topic: &str, key: &str, n: i64) {
+    postbox::publish(
+        conn,
+        &Message::new(topic)
+            .key(key)
+            .payload(&serde_json::json!({ "n": n })),
+    )
+    .unwrap();
+}
+
+fn ns(lines: &[serde_json::Value]) -> Vec<i64> {
+    lines
+        .iter()
+        .map(|l| l["payload"]["n"].as_i64().unwrap())
+        .collect()
+}
+
+#[test]
+fn publish_refuses_where_nothing_would_read_and_what_stream_mode_cannot_honour() {
+    // The shared server decodes no WAL (wal_level = replica): the transaction fails, with the
+    // business write.
+    let db = TestDb::migrated();
+    db.exec("CREATE TABLE orders (id int)");
+    let mut conn = db.conn();
+    let e = conn
+        .transaction(|c| {
+            diesel::sql_query("INSERT INTO orders VALUES (1)").execute(c)?;
+            postbox::publish(c, &Message::new("order.created"))
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("wal_level is replica"), "{e}");
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM orders"), 0);
+
+    for (msg, field) in [
+        (Message::new("t").delay(Duration::from_secs(1)), "delay"),
+        (Message::new("t").run_at(chrono::Utc::now()), "run_at"),
+        (Message::new("t").priority(1), "priority"),
+        (Message::new("t").dedup_key("d"), "dedup_key"),
+        (Message::new("t").max_attempts(3), "max_attempts"),
+    ] {
+        match postbox::publish(&mut conn, &msg) {
+            Err(Error::InvalidMessage(InvalidMessage::NotInStream { field: f })) => {
+                assert_eq!(f, field)
+            }
+            other => panic!("{field}: {other:?}"),
+        }
+    }
+
+    // A server that decodes the WAL but has no postbox slot in this database: refused too.
+    let server = logical();
+    let db = server.migrated();
+    let mut conn = db.conn();
+    let e = postbox::publish_many(&mut conn, &[Message::new("t")]).unwrap_err();
+    assert!(e.to_string().contains("no postbox stream slot"), "{e}");
+    setup(&db);
+    postbox::publish_many(&mut conn, &[Message::new("t"), Message::new("u")]).unwrap();
+    // A plain SQL writer needs nothing of postbox's.
+    db.exec(r#"SELECT pg_logical_emit_message(true, 'postbox', '{"v":1,"topic":"t"}')"#);
+}
+
+#[test]
+fn the_relay_delivers_in_commit_order_never_what_rolled_back_and_resumes_after_its_position() {
+    let server = logical();
+    let db = server.migrated();
+    setup(&db);
+    let mut relay = Relay::start(&db.url, "");
+    // Two transactions that publish in one order and commit in the other; a third rolls back.
+    let (mut a, mut b, mut c) = (db.conn(), db.conn(), db.conn());
+    diesel::sql_query("BEGIN").execute(&mut a).unwrap();
+    publish(&mut a, "orders", "k", 1);
+    diesel::sql_query("BEGIN").execute(&mut b).unwrap();
+    publish(&mut b, "orders", "k", 2);
+    diesel::sql_query("COMMIT").execute(&mut b).unwrap();
+    diesel::sql_query("BEGIN").execute(&mut c).unwrap();
+    publish(&mut c, "orders", "k", 99);
+    diesel::sql_query("ROLLBACK").execute(&mut c).unwrap();
+    diesel::sql_query("COMMIT").execute(&mut a).unwrap();
+    assert!(
+        relay.wait_lines(2, Duration::from_secs(20)),
+        "{}",
+        relay.log()
+    );
+    let lines = relay.lines();
+    assert_eq!(ns(&lines), vec![2, 1], "commit order: {lines:?}");
+    for l in &lines {
+        let id = l["id"].as_str().unwrap();
+        assert_eq!(id.len(), 25, "{id}");
+        assert_eq!(l["key"], "k");
+    }
+    // Stopped and started again: it resumes after what it confirmed (nothing twice).
+    relay.terminate();
+    let relay = Relay::start(&db.url, "");
+    publish(&mut b, "orders", "k", 3);
+    assert!(
+        relay.wait_lines(1, Duration::from_secs(20)),
+        "{}",
+        relay.log()
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(ns(&relay.lines()), vec![3], "{}", relay.log());
+}
+
+/// The relay's peak resident memory (VmHWM), in MB.
+fn peak_rss_mb(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+#[test]
+fn a_relay_killed_mid_stream_with_writers_running_loses_nothing_and_keeps_each_key_in_order() {
+    let server = logical();
+    let db = server.migrated();
+    setup(&db);
+    let mut relays = vec![Relay::start(&db.url, "")];
+    // The writer: transactions of 1 to 3 messages over 4 keys, each message numbered; what
+    // committed is recorded after the commit.
+    let committed: Arc<Mutex<Vec<(String, i64)>>> = Arc::default();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (url, committed, done) = (db.url.clone(), committed.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut conn = PgConnection::establish(&url).unwrap();
+            let mut n = 0i64;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let size = 1 + (n % 3);
+                let batch: Vec<(String, i64)> = (0..size)
+                    .map(|i| (format!("k{}", (n + i) % 4), n + i))
+                    .collect();
+                let msgs: Vec<Message> = batch
+                    .iter()
+                    .map(|(k, n)| {
+                        Message::new("ledger")
+                            .key(k.clone())
+                            .payload(&serde_json::json!({ "n": n }))
+                    })
+                    .collect();
+                conn.transaction(|c| postbox::publish_many(c, &msgs))
+                    .unwrap();
+                committed.lock().unwrap().extend(batch);
+                n += size;
+            }
+        })
+    };
+    for _ in 0..3 {
+        let before = committed.lock().unwrap().len();
+        assert!(wait(Duration::from_secs(20), || committed
+            .lock()
+            .unwrap()
+            .len()
+            > before + 500));
+        relays.last_mut().unwrap().kill();
+        relays.push(Relay::start(&db.url, ""));
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.join().unwrap();
+    let committed = committed.lock().unwrap().clone();
+    let delivered = |relays: &[Relay]| -> Vec<serde_json::Value> {
+        relays.iter().flat_map(|r| r.lines()).collect()
+    };
+    let all: std::collections::HashSet<i64> = committed.iter().map(|(_, n)| *n).collect();
+    assert!(
+        wait(Duration::from_secs(60), || {
+            let got: std::collections::HashSet<i64> = ns(&delivered(&relays)).into_iter().collect();
+            all.is_subset(&got)
+        }),
+        "lost: {}",
+        relays.last().unwrap().log()
+    );
+    let lines = delivered(&relays);
+    let duplicates = lines.len() - all.len();
+    // Per key, the first delivery of each message comes in commit order.
+    let mut seen = std::collections::HashSet::new();
+    let mut last: HashMap<String, i64> = HashMap::new();
+    for l in &lines {
+        let (k, n) = (
+            l["key"].as_str().unwrap().to_owned(),
+            l["payload"]["n"].as_i64().unwrap(),
+        );
+        if seen.insert(n) {
+            let prev = last.insert(k.clone(), n);
+            assert!(prev.is_none_or(|p| p < n), "key {k}: {n} after {prev:?}");
+        }
+    }
+    // Redelivered: at most what was in flight at each kill (a batch and the replication buffer).
+    assert!(duplicates <= 3 * 3000, "{duplicates} duplicates");
+    eprintln!(
+        "{} committed, {} delivered lines, {duplicates} duplicates over 3 kills",
+        all.len(),
+        lines.len()
+    );
+}
+
+#[test]
+fn a_standby_relay_takes_the_slot_over_within_seconds_of_the_active_one_dying() {
+    let server = logical();
+    let db = server.migrated();
+    setup(&db);
+    let mut first = Relay::start(&db.url, "");
+    assert!(wait(Duration::from_secs(20), || first
+        .metric("postbox_stream_active")
+        == Some(1.0)));
+    let second = Relay::start(&db.url, "");
+    assert!(
+        wait(Duration::from_secs(20), || second
+            .log()
+            .contains("standing by")),
+        "{}",
+        second.log()
+    );
+    assert_eq!(second.metric("postbox_stream_active"), Some(0.0));
+    // PostgreSQL lets one session stream a slot: one active streamer, no split brain.
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM pg_stat_replication WHERE application_name = 'postbox-stream'"),
+        1
+    );
+    let mut conn = db.conn();
+    publish(&mut conn, "t", "k", 1);
+    let published = db.scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint AS v");
+    assert!(first.wait_lines(1, Duration::from_secs(20)));
+    // Killed once its position is confirmed past the message (before that, the standby would
+    // deliver it again: a duplicate of what was in flight).
+    assert!(wait(Duration::from_secs(20), || {
+        db.scalar(
+        "SELECT (confirmed_flush_lsn - '0/0')::bigint AS v FROM pg_replication_slots WHERE slot_name = 'postbox'"
+    ) >= published
+    }));
+    first.kill();
+    let killed = Instant::now();
+    publish(&mut conn, "t", "k", 2);
+    assert!(
+        second.wait_lines(1, Duration::from_secs(30)),
+        "{}",
+        second.log()
+    );
+    let took = killed.elapsed();
+    assert_eq!(ns(&second.lines()), vec![2], "{}", second.log());
+    assert_eq!(ns(&first.lines()), vec![1]);
+    eprintln!("takeover: the standby delivered {took:?} after the kill");
+}
+
+#[test]
+fn a_lost_or_dropped_slot_stops_the_stream_loudly_until_an_operator_sets_it_up_again() {
+    let server = OwnServer::start(&[
+        "wal_level=logical",
+        "max_slot_wal_keep_size=1MB",
+        "max_wal_size=32MB",
+        "min_wal_size=32MB",
+    ]);
+    let db = server.migrated();
+    setup(&db);
+    // Dropped behind postbox's back.
+    db.exec("SELECT pg_drop_replication_slot('postbox')");
+    let relay = Relay::start(&db.url, "");
+    assert!(
+        wait(Duration::from_secs(20), || relay
+            .log()
+            .contains("stream slot \"postbox\" is lost")),
+        "{}",
+        relay.log()
+    );
+    assert!(relay.log().contains("it was dropped"), "{}", relay.log());
+    assert!(wait(Duration::from_secs(10), || relay
+        .metric("postbox_stream_slot_lost")
+        == Some(1.0)));
+    let e = postbox::publish(&mut db.conn(), &Message::new("t")).unwrap_err();
+    assert!(e.to_string().contains("no postbox stream slot"), "{e}");
+    drop(relay);
+    let cli = |args: &[&str]| {
+        hermetic(env!("CARGO_BIN_EXE_postbox"))
+            .args(args)
+            .env("POSTBOX_DATABASE_URL", &db.url)
+            .output()
+            .unwrap()
+    };
+    let out = cli(&["stream", "setup"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && err.contains("was lost: messages published in"),
+        "{err}"
+    );
+    // Lost to max_slot_wal_keep_size: WAL written while no relay reads the slot.
+    db.exec("CREATE TABLE filler (x text)");
+    for _ in 0..6 {
+        db.exec("INSERT INTO filler SELECT repeat('x', 1000) FROM generate_series(1, 10000); SELECT pg_switch_wal(); CHECKPOINT;");
+    }
+    let out = cli(&["stream", "status"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success() && text.contains("LOST"), "{text}");
+    let relay = Relay::start(&db.url, "");
+    assert!(
+        wait(Duration::from_secs(20), || relay
+            .log()
+            .contains("wal_status = lost")),
+        "{}",
+        relay.log()
+    );
+    assert!(wait(Duration::from_secs(10), || relay
+        .metric("postbox_stream_slot_lost")
+        == Some(1.0)));
+}
+
+#[test]
+fn the_slot_advances_while_only_another_database_is_written() {
+    let server = logical();
+    let db = server.migrated();
+    setup(&db);
+    let relay = Relay::start(&db.url, "");
+    assert!(wait(Duration::from_secs(20), || relay
+        .metric("postbox_stream_active")
+        == Some(1.0)));
+    let mut admin = PgConnection::establish(&server.url("postgres")).unwrap();
+    diesel::sql_query("CREATE DATABASE other")
+        .execute(&mut admin)
+        .unwrap();
+    let mut other = PgConnection::establish(&server.url("other")).unwrap();
+    use diesel::connection::SimpleConnection;
+    other.batch_execute("CREATE TABLE busy (x text)").unwrap();
+    let before = db.scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint AS v");
+    for _ in 0..5 {
+        other
+            .batch_execute(
+                "INSERT INTO busy SELECT repeat('x', 1000) FROM generate_series(1, 10000)",
+            )
+            .unwrap();
+    }
+    let written = db.scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint AS v") - before;
+    assert!(written > 40_000_000, "{written}");
+    assert!(
+        wait(Duration::from_secs(30), || {
+            db.scalar(
+            "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint AS v FROM pg_replication_slots WHERE slot_name = 'postbox'"
+        ) < 1_000_000
+        }),
+        "the slot stays behind: {}",
+        relay.log()
+    );
+    let out = hermetic(env!("CARGO_BIN_EXE_postbox"))
+        .args(["status"])
+        .env("POSTBOX_DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("stream slot postbox (publication postbox_stream): streaming")
+            && text.contains("wal_status reserved"),
+        "{text}"
+    );
+    assert!(
+        wait(Duration::from_secs(10), || relay
+            .metric("postbox_stream_lag_bytes")
+            .is_some_and(|l| l < 1e6)),
+        "lag metric"
+    );
+}
+
+#[test]
+fn a_transaction_of_100k_messages_is_delivered_whole_in_order_within_bounded_memory() {
+    let server = logical();
+    let db = server.migrated();
+    setup(&db);
+    let relay = Relay::start(&db.url, "");
+    let msgs: Vec<Message> = (0..100_000)
+        .map(|n| {
+            Message::new("big")
+                .key(format!("k{}", n % 10))
+                .payload(&serde_json::json!({ "n": n, "pad": "x".repeat(200) }))
+        })
+        .collect();
+    db.conn()
+        .transaction(|c| postbox::publish_many(c, &msgs))
+        .unwrap();
+    assert!(
+        relay.wait_lines(100_000, Duration::from_secs(120)),
+        "{} lines: {}",
+        relay.lines().len(),
+        relay.log()
+    );
+    let got = ns(&relay.lines());
+    assert_eq!(got, (0..100_000).collect::<Vec<_>>());
+    let ids: BTreeMap<String, ()> = relay
+        .lines()
+        .iter()
+        .map(|l| (l["id"].as_str().unwrap().to_owned(), ()))
+        .collect();
+    assert_eq!(ids.len(), 100_000, "one stable id each");
+    eprintln!(
+        "100k-message transaction (about 25 MB of payload): relay peak RSS {:.0} MB",
+        peak_rss_mb(relay.child.id())
+    );
+}
