@@ -5,114 +5,16 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{OwnServer, TestDb, free_port, hermetic, http_get};
+use common::relay::{Relay, wait};
+use common::{OwnServer, TestDb, hermetic};
 use diesel::{Connection, PgConnection, RunQueryDsl};
 use postbox::{Error, InvalidMessage, Message};
 
 fn logical() -> OwnServer {
     OwnServer::start(&["wal_level=logical", "max_wal_senders=10"])
-}
-
-/// A relay process (`postbox run`) whose log sink's lines are collected.
-struct Relay {
-    child: Child,
-    lines: Arc<Mutex<Vec<serde_json::Value>>>,
-    pub metrics_port: u16,
-    stderr: std::path::PathBuf,
-}
-
-impl Relay {
-    fn start(url: &str, extra: &str) -> Relay {
-        let dir = std::env::temp_dir().join(format!("postbox-stream-{}", free_port()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let metrics_port = free_port();
-        let config = dir.join("relay.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "database_url = \"{url}\"\n[metrics]\nlisten = \"127.0.0.1:{metrics_port}\"\nsample_interval = \"200ms\"\n[stream]\nstatus_interval = \"200ms\"\ntakeover_interval = \"200ms\"\n{extra}\n"
-            ),
-        )
-        .unwrap();
-        let stderr = dir.join("stderr");
-        let mut child = hermetic(env!("CARGO_BIN_EXE_postbox"))
-            .args(["run", "--config", config.to_str().unwrap()])
-            .env("RUST_LOG", "postbox=info")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&stderr).unwrap())
-            .spawn()
-            .unwrap();
-        let lines: Arc<Mutex<Vec<serde_json::Value>>> = Arc::default();
-        let (out, l) = (child.stdout.take().unwrap(), lines.clone());
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if let Ok(v) = serde_json::from_str(&line) {
-                    l.lock().unwrap().push(v);
-                }
-            }
-        });
-        Relay {
-            child,
-            lines,
-            metrics_port,
-            stderr,
-        }
-    }
-
-    fn lines(&self) -> Vec<serde_json::Value> {
-        self.lines.lock().unwrap().clone()
-    }
-
-    /// Waits until `n` lines arrived (false after `deadline`).
-    fn wait_lines(&self, n: usize, deadline: Duration) -> bool {
-        wait(deadline, || self.lines.lock().unwrap().len() >= n)
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-
-    fn metric(&self, name: &str) -> Option<f64> {
-        let (_, body) = http_get(self.metrics_port, "/metrics")?;
-        body.lines()
-            .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn terminate(&mut self) {
-        let _ = std::process::Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn wait(deadline: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let start = Instant::now();
-    while start.elapsed() < deadline {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    f()
 }
 
 fn setup(db: &TestDb) {
@@ -518,6 +420,31 @@ fn a_transaction_of_100k_messages_is_delivered_whole_in_order_within_bounded_mem
     assert_eq!(ids.len(), 100_000, "one stable id each");
     eprintln!(
         "100k-message transaction (about 25 MB of payload): relay peak RSS {:.0} MB",
-        peak_rss_mb(relay.child.id())
+        peak_rss_mb(relay.pid())
     );
+}
+
+#[test]
+fn the_stream_resumes_after_a_postgresql_restart() {
+    let server = logical();
+    let db = server.migrated();
+    setup(&db);
+    let relay = Relay::start(&db.url, "");
+    publish(&mut db.conn(), "t", "k", 1);
+    assert!(
+        relay.wait_lines(1, Duration::from_secs(20)),
+        "{}",
+        relay.log()
+    );
+    server.stop("fast");
+    server.start_again();
+    publish(&mut db.conn(), "t", "k", 2);
+    assert!(
+        relay.wait_lines(2, Duration::from_secs(60)),
+        "{}",
+        relay.log()
+    );
+    let got = ns(&relay.lines());
+    assert_eq!(got.last(), Some(&2), "{got:?}");
+    assert!(got.iter().all(|n| [1, 2].contains(n)), "{got:?}");
 }

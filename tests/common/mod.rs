@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 
 use diesel::{Connection, PgConnection, RunQueryDsl};
 
+#[cfg(feature = "kafka")]
+pub mod broker;
 pub mod proxy;
+pub mod relay;
 pub mod scram_front;
 
 /// Server to test against: `POSTBOX_TEST_DATABASE_URL` (without a database name), or the local
