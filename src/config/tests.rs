@@ -306,3 +306,50 @@ fn payload_budget_and_max_topics_are_read_with_units() {
         (64 << 20, 50)
     );
 }
+
+#[test]
+fn the_stream_section_fills_its_defaults_and_names_a_bad_field() {
+    let s = Config::from_toml("[stream]\n")
+        .unwrap()
+        .resolve(Overrides::default())
+        .unwrap()
+        .stream
+        .expect("[stream] turns stream mode on");
+    assert_eq!(
+        (s.slot.as_str(), s.publication.as_str()),
+        ("postbox", "postbox_stream")
+    );
+    assert!(s.create_slot);
+    assert_eq!(s.status_interval, Duration::from_secs(1));
+    assert_eq!(s.batch_size, 1000);
+    let none = Config::from_toml("")
+        .unwrap()
+        .resolve(Overrides::default())
+        .unwrap();
+    assert!(none.stream.is_none());
+    for (toml, field) in [
+        ("[stream]\nslot = \"Bad-Name\"", "stream.slot"),
+        ("[stream]\npublication = \"\"", "stream.publication"),
+        ("[stream]\nbatch_size = 0", "stream.batch_size"),
+        (
+            "[stream]\nstatus_interval = \"10ms\"",
+            "stream.status_interval",
+        ),
+        ("[stream]\nslots = \"x\"", "stream"),
+    ] {
+        let e = Config::from_toml(toml)
+            .and_then(|c| c.resolve(Overrides::default()))
+            .unwrap_err();
+        assert!(e.field.starts_with(field), "{toml}: {e}");
+    }
+    // The redacted configuration shows it, and reads back the same.
+    let settings = Config::from_toml("[stream]\nslot = \"s1\"")
+        .unwrap()
+        .resolve(Overrides::default())
+        .unwrap();
+    let again = Config::from_toml(&settings.to_redacted_toml())
+        .unwrap()
+        .resolve(Overrides::default())
+        .unwrap();
+    assert_eq!(again.stream, settings.stream);
+}
