@@ -13,7 +13,9 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("POSTBOX_LOG")
-                .unwrap_or_else(|_| "info".into()),
+                // The replication client's own error lines are off: the streamer logs each of its
+                // errors with what it does about it (a standby would otherwise log one a second).
+                .unwrap_or_else(|_| "info,pgwire_replication=off".into()),
         )
         .init();
     let runtime = tokio::runtime::Builder::new_multi_thread()

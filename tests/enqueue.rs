@@ -368,7 +368,7 @@ async fn dedup_key_is_a_no_op_that_names_the_live_message() {
 }
 
 /// Migrations in `migrations/`.
-const MIGRATIONS: usize = 15;
+const MIGRATIONS: usize = 16;
 
 #[test]
 fn migrations_run_sync_are_idempotent_and_revert() {

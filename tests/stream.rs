@@ -375,6 +375,16 @@ fn the_slot_advances_while_only_another_database_is_written() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
+    let drop = hermetic(env!("CARGO_BIN_EXE_postbox"))
+        .args(["stream", "drop"])
+        .env("POSTBOX_DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    let why = String::from_utf8_lossy(&drop.stderr);
+    assert!(
+        !drop.status.success() && why.contains("is being streamed"),
+        "{why}"
+    );
     assert!(
         text.contains("stream slot postbox (publication postbox_stream): streaming")
             && text.contains("wal_status reserved"),
@@ -447,4 +457,91 @@ fn the_stream_resumes_after_a_postgresql_restart() {
     let got = ns(&relay.lines());
     assert_eq!(got.last(), Some(&2), "{got:?}");
     assert!(got.iter().all(|n| [1, 2].contains(n)), "{got:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_refuses_a_slot_name_another_database_holds_and_publish_refuses_while_a_slot_is_replaced()
+ {
+    let server = logical();
+    let db = server.migrated();
+    let store = db.store().await;
+    store
+        .stream_setup("postbox", "postbox_stream")
+        .await
+        .unwrap();
+    // Slot names are the server's: another database's setup under the same name is refused, and
+    // the first database's slot is untouched.
+    let mut admin = PgConnection::establish(&server.url("postgres")).unwrap();
+    diesel::sql_query("CREATE DATABASE second")
+        .execute(&mut admin)
+        .unwrap();
+    let second = server.url("second");
+    postbox::migrate(&mut PgConnection::establish(&second).unwrap()).unwrap();
+    let other = postbox::Store::connect(&second, 2).await.unwrap();
+    let e = other
+        .stream_setup("postbox", "postbox_stream")
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("taken on this server by a slot of database \"postbox\""),
+        "{e}"
+    );
+    assert!(store.stream_status(None).await.unwrap()[0].exists);
+    other
+        .stream_setup("second_stream", "postbox_stream")
+        .await
+        .unwrap();
+
+    // A dead letter of a stream message is written once, however often it is streamed.
+    let first = store
+        .stream_dead_letter(
+            "0000000001000000-00000000",
+            "t",
+            None,
+            &serde_json::json!(1),
+            &serde_json::json!({}),
+            chrono::Utc::now(),
+            "r",
+        )
+        .await
+        .unwrap();
+    let again = store
+        .stream_dead_letter(
+            "0000000001000000-00000000",
+            "t",
+            None,
+            &serde_json::json!(1),
+            &serde_json::json!({}),
+            chrono::Utc::now(),
+            "r",
+        )
+        .await
+        .unwrap();
+    assert!(first && !again);
+
+    // The slot is lost; while its replacement waits for a transaction that is open, publish
+    // refuses (the new slot would not stream what commits before it is ready).
+    db.exec("SELECT pg_drop_replication_slot('postbox')");
+    let mut blocker = db.conn();
+    diesel::sql_query("BEGIN").execute(&mut blocker).unwrap();
+    diesel::sql_query("SELECT txid_current()")
+        .execute(&mut blocker)
+        .unwrap();
+    let replacing =
+        tokio::spawn(async move { store.stream_setup("postbox", "postbox_stream").await });
+    assert!(wait(Duration::from_secs(20), || {
+        db.scalar(
+        "SELECT count(*) AS v FROM pg_replication_slots WHERE slot_name = 'postbox' AND confirmed_flush_lsn IS NULL"
+    ) == 1
+    }));
+    let e = postbox::publish(&mut db.conn(), &Message::new("t")).unwrap_err();
+    assert!(e.to_string().contains("no postbox stream slot"), "{e}");
+    diesel::sql_query("COMMIT").execute(&mut blocker).unwrap();
+    let done = replacing.await.unwrap().unwrap();
+    assert!(
+        done.created_slot && done.replaced_lost.is_some(),
+        "{done:?}"
+    );
+    postbox::publish(&mut db.conn(), &Message::new("t")).unwrap();
 }

@@ -20,6 +20,7 @@
 //! The last lines are machine-readable, one figure a line.
 
 mod backlog;
+mod stream;
 mod topics;
 
 use std::collections::HashMap;
@@ -93,7 +94,7 @@ fn args() -> Args {
                     .expect("--status-rows N")
             }
             other => panic!(
-                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|ordered-drain|topics] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|ordered-drain|topics|stream] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
             ),
         }
     }
@@ -258,7 +259,7 @@ fn drain_raw_sql(url: &str, n: usize, cycle: RawCycle) -> f64 {
 }
 
 /// The median of a few figures.
-fn median(v: &[f64]) -> f64 {
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     if s.is_empty() {
@@ -335,7 +336,17 @@ async fn wakeup(url: &str, rate: u64, secs: u64) -> Vec<f64> {
 }
 
 /// Transactions a second of 8 writers over `secs`: one business row, plus one message if asked.
+/// 8 writers for `secs`: each transaction a business row, plus one message when `message` says
+/// how (`Some(false)` enqueue, `Some(true)` publish); transactions a second.
+pub(crate) async fn writers_with(url: &str, message: Option<bool>, secs: u64) -> f64 {
+    writers_of(url, message.is_some(), false, message == Some(true), secs).await
+}
+
 async fn writers(url: &str, with_message: bool, ordered: bool, secs: u64) -> f64 {
+    writers_of(url, with_message, ordered, false, secs).await
+}
+
+async fn writers_of(url: &str, with_message: bool, ordered: bool, publish: bool, secs: u64) -> f64 {
     let stop = Arc::new(AtomicBool::new(false));
     let count = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
@@ -362,7 +373,11 @@ async fn writers(url: &str, with_message: bool, ordered: bool, secs: u64) -> f64
                         if ordered {
                             m = m.ordered();
                         }
-                        postbox::enqueue_async(c, &m).await?;
+                        if publish {
+                            postbox::publish_async(c, &m).await?;
+                        } else {
+                            postbox::enqueue_async(c, &m).await?;
+                        }
                     }
                     Ok::<_, postbox::Error>(())
                 })
@@ -423,7 +438,7 @@ async fn kafka_raw(brokers: &str, n: usize) -> f64 {
 }
 
 /// `n` messages like an app's events: ~230-byte JSON, 100 keys, topic `bench`.
-async fn fill_events(url: &str, n: usize) {
+pub(crate) async fn fill_events(url: &str, n: usize) {
     let mut conn = AsyncPgConnection::establish(url).await.unwrap();
     let mut left = n;
     let mut i = 0;
@@ -446,7 +461,7 @@ async fn fill_events(url: &str, n: usize) {
 }
 
 /// Relays every message of topic `bench` to Kafka (batch 1000) through `producer`; msg/s.
-async fn kafka_relay(
+pub(crate) async fn kafka_relay(
     url: &str,
     producer: &Arc<postbox::sink::kafka::SharedProducer>,
     claimers: Option<usize>,
@@ -758,6 +773,11 @@ async fn main() {
     }
     if a.only.as_deref() == Some("backlog") {
         backlog::run(&a.url, a.backlog_rows, a.status_rows).await;
+        return;
+    }
+
+    if a.only.as_deref() == Some("stream") {
+        stream::run(&a.url, a.kafka.as_deref(), n).await;
         return;
     }
 

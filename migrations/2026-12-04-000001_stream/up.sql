@@ -32,6 +32,10 @@ BEGIN
         JOIN pg_catalog.pg_replication_slots s ON s.slot_name = r.slot_name
         WHERE s.database = current_database()
           AND s.slot_type = 'logical'
+          AND s.plugin = 'pgoutput'
+          -- Set once the slot is ready: from then on every commit is decoded (a slot still being
+          -- created, waiting for older transactions, would not stream what commits meanwhile).
+          AND s.confirmed_flush_lsn IS NOT NULL
           AND s.wal_status IS DISTINCT FROM 'lost'
     ) THEN
         RAISE EXCEPTION 'postbox stream: database % has no postbox stream slot (or its slot was lost): nothing would read a published message', current_database()

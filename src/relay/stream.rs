@@ -129,17 +129,15 @@ pub async fn run(settings: &Settings, command: StreamCommand) -> Result<()> {
                 )));
             }
         }
-        StreamCommand::Drop => {
-            let known = store.stream_drop(&s.slot).await?;
-            eprintln!(
-                "{}",
-                if known {
-                    format!("slot {} dropped", s.slot)
-                } else {
-                    format!("slot {} was not set up; nothing dropped", s.slot)
-                }
-            );
-        }
+        StreamCommand::Drop => match store.stream_drop(&s.slot).await.map_err(setup_error)? {
+            Some(was) => eprintln!(
+                "slot {} dropped; messages published after {} (up to {}) were not delivered",
+                s.slot,
+                was.confirmed_lsn.as_deref().unwrap_or("its last position"),
+                was.current_lsn
+            ),
+            None => eprintln!("slot {} was not set up; nothing dropped", s.slot),
+        },
     }
     Ok(())
 }

@@ -1,8 +1,8 @@
 //! Stream mode's slots (see the migration `stream`): setting up, reading and dropping the logical
 //! replication slots a relay streams published messages from, and dead-lettering a stream message.
 
-use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestamptz};
+use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::RunQueryDsl;
 
 use super::Store;
@@ -46,6 +46,10 @@ pub struct StreamSlot {
     /// Bytes of WAL the slot keeps on the server's disk.
     #[diesel(sql_type = Nullable<BigInt>)]
     pub retained_bytes: Option<i64>,
+    /// The name is held on this server by another database's slot or a physical slot (slot
+    /// names are the server's): this database's slot cannot exist under it.
+    #[diesel(sql_type = Bool)]
+    pub name_taken: bool,
 }
 
 impl StreamSlot {
@@ -61,7 +65,11 @@ SELECT r.slot_name, r.publication, s.slot_name IS NOT NULL AS exists,
        s.safe_wal_size, s.confirmed_flush_lsn::text AS confirmed_lsn,
        pg_current_wal_lsn()::text AS current_lsn,
        (pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint AS lag_bytes,
-       (pg_current_wal_lsn() - s.restart_lsn)::bigint AS retained_bytes
+       (pg_current_wal_lsn() - s.restart_lsn)::bigint AS retained_bytes,
+       EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots o
+               WHERE o.slot_name = r.slot_name
+                 AND (o.database IS DISTINCT FROM current_database() OR o.slot_type <> 'logical'))
+           AS name_taken
 FROM postbox.stream_slots r
 LEFT JOIN pg_catalog.pg_replication_slots s
        ON s.slot_name = r.slot_name AND s.database = current_database()
@@ -116,6 +124,12 @@ impl Store {
     /// What this server and role lack for stream mode, each as a sentence naming the setting or
     /// privilege (empty when nothing is missing).
     pub async fn stream_prerequisites(&self) -> Result<Vec<String>> {
+        self.stream_prerequisites_for(None).await
+    }
+
+    /// [`Store::stream_prerequisites`], where `slot` (if given) may exist already: it needs no
+    /// free slot then.
+    async fn stream_prerequisites_for(&self, slot: Option<&str>) -> Result<Vec<String>> {
         let mut conn = self.conn().await?;
         let mut missing = Vec::new();
         let level: Setting = diesel::sql_query("SELECT current_setting('wal_level') AS value")
@@ -128,7 +142,10 @@ impl Store {
             ));
         }
         let replication: Flag = diesel::sql_query(
-            "SELECT rolreplication OR rolsuper AS flag FROM pg_catalog.pg_roles WHERE rolname = current_user",
+            "SELECT rolreplication OR rolsuper OR EXISTS (
+                 SELECT 1 FROM pg_catalog.pg_roles g
+                 WHERE g.rolname = 'rds_replication' AND pg_has_role(current_user, g.oid, 'member'))
+             AS flag FROM pg_catalog.pg_roles WHERE rolname = current_user",
         )
         .get_result(&mut *conn)
         .await?;
@@ -139,8 +156,10 @@ impl Store {
             );
         }
         let slots: Flag = diesel::sql_query(
-            "SELECT current_setting('max_replication_slots')::int > (SELECT count(*) FROM pg_catalog.pg_replication_slots) AS flag",
+            "SELECT current_setting('max_replication_slots')::int > (SELECT count(*) FROM pg_catalog.pg_replication_slots)
+                 OR EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1) AS flag",
         )
+        .bind::<Nullable<Text>, _>(slot)
         .get_result(&mut *conn)
         .await?;
         if !slots.flag {
@@ -169,7 +188,7 @@ impl Store {
     pub async fn stream_setup(&self, slot: &str, publication: &str) -> Result<StreamSetup> {
         check_slot_name("stream.slot", slot)?;
         check_slot_name("stream.publication", publication)?;
-        let missing = self.stream_prerequisites().await?;
+        let missing = self.stream_prerequisites_for(Some(slot)).await?;
         if !missing.is_empty() {
             return Err(Error::InvalidArgument {
                 field: "stream",
@@ -191,87 +210,35 @@ impl Store {
                 .await?;
             report.created_publication = true;
         }
-        let existing: Vec<StreamSlot> = diesel::sql_query(STATUS)
-            .bind::<Nullable<Text>, _>(Some(slot))
-            .load(&mut *conn)
-            .await?;
-        let server_has: Flag = diesel::sql_query(
-            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1) AS flag",
-        )
-        .bind::<Text, _>(slot)
-        .get_result(&mut *conn)
-        .await?;
-        let lost = <[StreamSlot]>::first(&existing).filter(|s| s.is_lost());
-        if let Some(s) = lost {
-            report.replaced_lost = Some(format!(
-                "{}..{}",
-                s.confirmed_lsn.as_deref().unwrap_or("?"),
-                s.current_lsn
-            ));
-            if server_has.flag {
-                diesel::sql_query("SELECT pg_catalog.pg_drop_replication_slot($1)")
-                    .bind::<Text, _>(slot)
-                    .execute(&mut *conn)
-                    .await?;
-            }
-        }
-        if !server_has.flag || lost.is_some() {
-            diesel::sql_query(
-                "SELECT 1 FROM pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput')",
-            )
-            .bind::<Text, _>(slot)
+        // One setup or drop at a time in this database (a session lock: slot creation cannot
+        // run in a transaction that wrote).
+        diesel::sql_query("SELECT pg_advisory_lock(1886352247, 21)")
             .execute(&mut *conn)
             .await?;
-            report.created_slot = true;
-        }
-        diesel::sql_query(
-            "INSERT INTO postbox.stream_slots (slot_name, publication) VALUES ($1, $2)
-             ON CONFLICT (slot_name) DO UPDATE SET publication = EXCLUDED.publication",
-        )
-        .bind::<Text, _>(slot)
-        .bind::<Text, _>(publication)
-        .execute(&mut *conn)
-        .await?;
+        let result = setup_slot(&mut conn, slot, publication, &mut report).await;
+        diesel::sql_query("SELECT pg_advisory_unlock(1886352247, 21)")
+            .execute(&mut *conn)
+            .await?;
+        result?;
         Ok(report)
     }
 
-    /// Drops the slot (if the server has it) and forgets it: `publish` refuses messages from now
-    /// on unless another slot is set up. The publication is dropped too when no other slot names
-    /// it. Returns whether the slot was registered.
-    pub async fn stream_drop(&self, slot: &str) -> Result<bool> {
+    /// Drops the slot (if the server has it) and forgets it: `publish` refuses messages from then
+    /// on unless another slot is set up. Refused while a relay streams it (stop the relays with
+    /// `[stream]` first). The publication is dropped too when no other slot names it. Returns the
+    /// slot as it was (its confirmed position: what was published after it was never delivered),
+    /// or `None` if it was not set up.
+    pub async fn stream_drop(&self, slot: &str) -> Result<Option<StreamSlot>> {
         check_slot_name("stream.slot", slot)?;
         let mut conn = self.conn().await?;
-        let registered: Vec<StreamSlot> = diesel::sql_query(STATUS)
-            .bind::<Nullable<Text>, _>(Some(slot))
-            .load(&mut *conn)
-            .await?;
-        // Forget it first: from here on, publish refuses rather than writing into a slot that is
-        // about to go.
-        diesel::sql_query("DELETE FROM postbox.stream_slots WHERE slot_name = $1")
-            .bind::<Text, _>(slot)
+        diesel::sql_query("SELECT pg_advisory_lock(1886352247, 21)")
             .execute(&mut *conn)
             .await?;
-        diesel::sql_query(
-            "SELECT pg_catalog.pg_drop_replication_slot(slot_name) FROM pg_catalog.pg_replication_slots
-             WHERE slot_name = $1 AND database = current_database()",
-        )
-        .bind::<Text, _>(slot)
-        .execute(&mut *conn)
-        .await?;
-        if let Some(r) = <[StreamSlot]>::first(&registered) {
-            let still_named: Flag = diesel::sql_query(
-                "SELECT EXISTS (SELECT 1 FROM postbox.stream_slots WHERE publication = $1) AS flag",
-            )
-            .bind::<Text, _>(&r.publication)
-            .get_result(&mut *conn)
+        let result = drop_slot(&mut conn, slot).await;
+        diesel::sql_query("SELECT pg_advisory_unlock(1886352247, 21)")
+            .execute(&mut *conn)
             .await?;
-            if !still_named.flag {
-                diesel::sql_query(format!("DROP PUBLICATION IF EXISTS {}", r.publication))
-                    .execute(&mut *conn)
-                    .await?;
-            }
-        }
-        Ok(!registered.is_empty())
+        result
     }
 
     /// Dead-letters a stream message (one the sink refused for good, or one that cannot be read)
@@ -288,25 +255,207 @@ impl Store {
         created_at: chrono::DateTime<chrono::Utc>,
         reason: &str,
     ) -> Result<bool> {
-        let n = diesel::sql_query(
-            "INSERT INTO postbox.dead_letters
-                 (id, topic, key, ordered, payload, headers, priority, attempts, max_attempts,
-                  created_at, first_error, last_error, reason)
-             SELECT nextval(pg_get_serial_sequence('postbox.messages', 'id')), $1, $2, false, $3,
-                    $4 || jsonb_build_object('postbox-stream-id', $5::text), 0, 1, 1, $6, $7, $7, $7
-             WHERE NOT EXISTS (
-                 SELECT 1 FROM postbox.dead_letters
-                 WHERE headers @> jsonb_build_object('postbox-stream-id', $5::text))",
-        )
-        .bind::<Text, _>(topic)
-        .bind::<Nullable<Text>, _>(key)
-        .bind::<Jsonb, _>(payload)
-        .bind::<Jsonb, _>(headers)
-        .bind::<Text, _>(stream_id)
-        .bind::<Timestamptz, _>(created_at)
-        .bind::<Text, _>(reason)
-        .execute(&mut *self.conn().await?)
-        .await?;
+        use diesel_async::AsyncConnection;
+        let mut conn = self.conn().await?;
+        // Committed durably before the stream's position passes the message (the store's
+        // sessions commit asynchronously: a lost completion there only leaves a message pending,
+        // a lost stream dead letter would be gone for good).
+        let n = conn
+            .transaction::<_, Error, _>(async |c| {
+                diesel::sql_query("SET LOCAL synchronous_commit = on")
+                    .execute(c)
+                    .await?;
+                Ok(diesel::sql_query(
+                    "INSERT INTO postbox.dead_letters
+                         (id, topic, key, ordered, payload, headers, priority, attempts,
+                          max_attempts, created_at, first_error, last_error, reason)
+                     VALUES (nextval(pg_get_serial_sequence('postbox.messages', 'id')), $1, $2,
+                             false, $3, $4 || jsonb_build_object('postbox-stream-id', $5::text),
+                             0, 1, 1, $6, $7, $7, $7)
+                     ON CONFLICT ((headers ->> 'postbox-stream-id'))
+                         WHERE headers ? 'postbox-stream-id' DO NOTHING",
+                )
+                .bind::<Text, _>(topic)
+                .bind::<Nullable<Text>, _>(key)
+                .bind::<Jsonb, _>(payload)
+                .bind::<Jsonb, _>(headers)
+                .bind::<Text, _>(stream_id)
+                .bind::<Timestamptz, _>(created_at)
+                .bind::<Text, _>(reason)
+                .execute(c)
+                .await?)
+            })
+            .await?;
         Ok(n == 1)
     }
+}
+
+/// The server's slot of a name, whichever database it belongs to.
+#[derive(QueryableByName)]
+struct ServerSlot {
+    #[diesel(sql_type = Bool)]
+    here: bool,
+    #[diesel(sql_type = Nullable<Text>)]
+    database: Option<String>,
+    #[diesel(sql_type = Text)]
+    slot_type: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    plugin: Option<String>,
+    #[diesel(sql_type = Bool)]
+    lost: bool,
+    #[diesel(sql_type = Nullable<Text>)]
+    confirmed_lsn: Option<String>,
+    #[diesel(sql_type = Text)]
+    current_lsn: String,
+}
+
+/// The slot part of `stream_setup`, under its advisory lock: refuses a name another database or
+/// a physical slot holds, replaces a lost or dropped slot (unregistered meanwhile, so `publish`
+/// refuses rather than writing into a slot that is being replaced), creates a missing one, and
+/// registers it.
+async fn setup_slot(
+    conn: &mut diesel_async::AsyncPgConnection,
+    slot: &str,
+    publication: &str,
+    report: &mut StreamSetup,
+) -> Result<()> {
+    use diesel_async::AsyncConnection;
+    let found: Option<ServerSlot> = diesel::sql_query(
+        "SELECT database IS NOT DISTINCT FROM current_database() AS here, database::text AS database,
+                slot_type, plugin::text AS plugin, wal_status IS NOT DISTINCT FROM 'lost' AS lost,
+                confirmed_flush_lsn::text AS confirmed_lsn, pg_current_wal_lsn()::text AS current_lsn
+         FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind::<Text, _>(slot)
+    .get_result(&mut *conn)
+    .await
+    .optional()?;
+    if let Some(f) = &found {
+        let taken = if f.slot_type != "logical" {
+            Some("a physical replication slot (a standby server's)".to_owned())
+        } else if !f.here {
+            Some(format!(
+                "a slot of database {:?}",
+                f.database.as_deref().unwrap_or("?")
+            ))
+        } else if f.plugin.as_deref() != Some("pgoutput") {
+            Some(format!(
+                "a slot of output plugin {:?}",
+                f.plugin.as_deref().unwrap_or("?")
+            ))
+        } else {
+            None
+        };
+        if let Some(taken) = taken {
+            return Err(Error::InvalidArgument {
+                field: "stream.slot",
+                problem: format!(
+                    "the name {slot:?} is taken on this server by {taken}: slot names are the server's, choose another stream.slot"
+                ),
+            });
+        }
+    }
+    let registered: Vec<StreamSlot> = diesel::sql_query(STATUS)
+        .bind::<Nullable<Text>, _>(Some(slot))
+        .load(&mut *conn)
+        .await?;
+    let registered = <[StreamSlot]>::first(&registered);
+    let lost = found.as_ref().is_some_and(|f| f.lost) || (registered.is_some() && found.is_none());
+    if lost {
+        let from = found
+            .as_ref()
+            .and_then(|f| f.confirmed_lsn.clone())
+            .or_else(|| registered.and_then(|r| r.confirmed_lsn.clone()))
+            .unwrap_or_else(|| "its last confirmed position".into());
+        let to = found
+            .as_ref()
+            .map(|f| f.current_lsn.clone())
+            .or_else(|| registered.map(|r| r.current_lsn.clone()))
+            .unwrap_or_default();
+        report.replaced_lost = Some(format!("{from}..{to}"));
+        diesel::sql_query("DELETE FROM postbox.stream_slots WHERE slot_name = $1")
+            .bind::<Text, _>(slot)
+            .execute(&mut *conn)
+            .await?;
+        if found.is_some() {
+            diesel::sql_query("SELECT pg_catalog.pg_drop_replication_slot($1)")
+                .bind::<Text, _>(slot)
+                .execute(&mut *conn)
+                .await?;
+        }
+    }
+    if found.is_none() || lost {
+        // Creating a slot waits for the transactions open now to end: no statement timeout.
+        let slot = slot.to_owned();
+        conn.transaction::<_, Error, _>(async |c| {
+            diesel::sql_query("SET LOCAL statement_timeout = 0")
+                .execute(c)
+                .await?;
+            diesel::sql_query(
+                "SELECT 1 FROM pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput')",
+            )
+            .bind::<Text, _>(&slot)
+            .execute(c)
+            .await?;
+            Ok(())
+        })
+        .await?;
+        report.created_slot = true;
+    }
+    diesel::sql_query(
+        "INSERT INTO postbox.stream_slots (slot_name, publication) VALUES ($1, $2)
+         ON CONFLICT (slot_name) DO UPDATE SET publication = EXCLUDED.publication",
+    )
+    .bind::<Text, _>(slot)
+    .bind::<Text, _>(publication)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+async fn drop_slot(
+    conn: &mut diesel_async::AsyncPgConnection,
+    slot: &str,
+) -> Result<Option<StreamSlot>> {
+    let registered: Vec<StreamSlot> = diesel::sql_query(STATUS)
+        .bind::<Nullable<Text>, _>(Some(slot))
+        .load(&mut *conn)
+        .await?;
+    let Some(r) = registered.into_iter().next() else {
+        return Ok(None);
+    };
+    if r.active {
+        return Err(Error::InvalidArgument {
+            field: "stream.slot",
+            problem: format!(
+                "slot {slot:?} is being streamed (server pid {}): stop the relays with [stream] first (or they set it up again)",
+                r.active_pid.unwrap_or_default()
+            ),
+        });
+    }
+    // The slot first: if that fails the registration stays, and from the moment it is gone
+    // `publish` finds no slot to join and refuses.
+    diesel::sql_query(
+        "SELECT pg_catalog.pg_drop_replication_slot(slot_name) FROM pg_catalog.pg_replication_slots
+         WHERE slot_name = $1 AND database = current_database()",
+    )
+    .bind::<Text, _>(slot)
+    .execute(&mut *conn)
+    .await?;
+    diesel::sql_query("DELETE FROM postbox.stream_slots WHERE slot_name = $1")
+        .bind::<Text, _>(slot)
+        .execute(&mut *conn)
+        .await?;
+    let still_named: Flag = diesel::sql_query(
+        "SELECT EXISTS (SELECT 1 FROM postbox.stream_slots WHERE publication = $1) AS flag",
+    )
+    .bind::<Text, _>(&r.publication)
+    .get_result(&mut *conn)
+    .await?;
+    if !still_named.flag {
+        diesel::sql_query(format!("DROP PUBLICATION IF EXISTS {}", r.publication))
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(Some(r))
 }

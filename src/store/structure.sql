@@ -1139,6 +1139,10 @@ BEGIN
         JOIN pg_catalog.pg_replication_slots s ON s.slot_name = r.slot_name
         WHERE s.database = current_database()
           AND s.slot_type = 'logical'
+          AND s.plugin = 'pgoutput'
+          -- Set once the slot is ready: from then on every commit is decoded (a slot still being
+          -- created, waiting for older transactions, would not stream what commits meanwhile).
+          AND s.confirmed_flush_lsn IS NOT NULL
           AND s.wal_status IS DISTINCT FROM 'lost'
     ) THEN
         RAISE EXCEPTION 'postbox stream: database % has no postbox stream slot (or its slot was lost): nothing would read a published message', current_database()
@@ -1506,6 +1510,12 @@ CREATE INDEX completed_id_idx ON ONLY postbox.completed USING brin (id);
 --
 
 CREATE INDEX dead_letters_dead_at_idx ON postbox.dead_letters USING btree (dead_at);
+
+--
+-- Name: dead_letters_stream_id_idx; Type: INDEX; Schema: postbox; Owner: -
+--
+
+CREATE UNIQUE INDEX dead_letters_stream_id_idx ON postbox.dead_letters USING btree (((headers ->> 'postbox-stream-id'::text))) WHERE (headers ? 'postbox-stream-id'::text);
 
 --
 -- Name: dead_letters_topic_idx; Type: INDEX; Schema: postbox; Owner: -

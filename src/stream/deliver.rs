@@ -24,7 +24,12 @@ pub struct Item {
 
 /// How many times a message a sink answers `Retry` for is sent again before it is dead-lettered
 /// (a stream message has no attempts column: this bounds a poison message's hold on the stream).
-pub const MAX_RETRIES: u32 = 5;
+/// The waits between tries double from [`FIRST_RETRY`] (or are the delay the sink asked for, if
+/// longer) up to the relay's longest back-off: about 2.5 minutes in all with the defaults.
+pub const MAX_RETRIES: u32 = 10;
+
+/// The first wait before a message a sink answered `Retry` for is sent again.
+pub const FIRST_RETRY: Duration = Duration::from_millis(500);
 
 /// What a batch came to.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -33,10 +38,16 @@ pub struct Delivered {
     pub dead_lettered: u64,
 }
 
-/// The batch could not be finished before the relay was asked to stop: the position stays
-/// before it, so it is streamed again at the next start.
-#[derive(Debug)]
-pub struct Stopped;
+/// The batch could not be finished: the position stays before it, so it is streamed again (by
+/// this relay at its next start or session, or by the relay that took the slot over).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Stopped {
+    /// The relay was asked to stop.
+    Stop,
+    /// The replication session ended: another relay may stream the slot now, so this one must
+    /// not deliver what it read any more (it would interleave with the new streamer's messages).
+    SessionLost,
+}
 
 struct Slot {
     item: usize,
@@ -79,6 +90,7 @@ pub async fn deliver(
     items: &[Item],
     max_backoff: Duration,
     stop: &tokio_util::sync::CancellationToken,
+    session_alive: &(dyn Fn() -> bool + Sync),
 ) -> Result<Delivered, Stopped> {
     let mut done = Delivered::default();
     let mut pending: Vec<Slot> = Vec::with_capacity(items.len());
@@ -126,7 +138,11 @@ pub async fn deliver(
         }
     }
     let mut pause = Duration::from_millis(100);
+    let mut retry_pause = FIRST_RETRY;
     while !pending.is_empty() {
+        if !session_alive() {
+            return Err(Stopped::SessionLost);
+        }
         // Every sink's share, in order, sent concurrently across sinks.
         let rounds = sinks.iter().enumerate().map(|(s, sink)| {
             let mine: Vec<&Slot> = pending.iter().filter(|p| p.sink == s).collect();
@@ -186,6 +202,7 @@ pub async fn deliver(
             by_sink[s].push(p);
         }
         let mut waiting = false;
+        let mut retry_wait: Option<Duration> = None;
         for (s, outcomes) in answers {
             let mine = std::mem::take(&mut by_sink[s]);
             let mut resend_from: Option<usize> = None;
@@ -211,8 +228,10 @@ pub async fn deliver(
                         .await?;
                         done.dead_lettered += 1;
                     }
-                    Some(Outcome::Retry { reason, .. }) => {
+                    Some(Outcome::Retry { reason, delay }) => {
                         tracing::warn!(stream_id = ?p.message.stream_id, %reason, "stream: delivery failed, sending again");
+                        let wait = delay.unwrap_or_default().max(retry_pause);
+                        retry_wait = Some(retry_wait.map_or(wait, |w| w.max(wait)));
                         p.retries += 1;
                         resend_from = Some(j);
                         keep.push(p);
@@ -239,9 +258,16 @@ pub async fn deliver(
         if !waiting {
             pause = Duration::from_millis(100);
         }
+        let wait = match retry_wait {
+            Some(r) => {
+                retry_pause = (retry_pause * 2).min(max_backoff);
+                r.max(if waiting { pause } else { Duration::ZERO })
+            }
+            None => pause,
+        };
         tokio::select! {
-            _ = tokio::time::sleep(pause) => {}
-            _ = stop.cancelled() => return Err(Stopped),
+            _ = tokio::time::sleep(wait) => {}
+            _ = stop.cancelled() => return Err(Stopped::Stop),
         }
         if waiting {
             pause = (pause * 2).min(max_backoff);
@@ -307,7 +333,7 @@ async fn dead_letter(
         }
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
-            _ = stop.cancelled() => return Err(Stopped),
+            _ = stop.cancelled() => return Err(Stopped::Stop),
         }
         pause = (pause * 2).min(Duration::from_secs(10));
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
 use tokio_util::sync::CancellationToken;
 
-use super::deliver::{Delivered, Item, deliver};
+use super::deliver::{Delivered, Item, Stopped, deliver};
 use super::encoding::{Encoded, PREFIX};
 use crate::sink::Sink;
 use crate::store::Store;
@@ -133,6 +133,10 @@ impl Streamer {
             .await
             .map_err(Err)?;
         match slots.first() {
+            Some(s) if s.name_taken && !s.exists => Err(Ok(StreamError::Unavailable(format!(
+                "the slot name {:?} is taken on this server by another database's slot or a physical slot: choose another stream.slot",
+                s.slot_name
+            )))),
             Some(s) if s.is_lost() => {
                 self.observe(|o| o.stream_lost());
                 Err(Ok(StreamError::SlotLost {
@@ -159,7 +163,12 @@ impl Streamer {
                     .store
                     .stream_setup(&self.config.slot, &self.config.publication)
                     .await
-                    .map_err(Err)?;
+                    .map_err(|e| match e {
+                        crate::Error::InvalidArgument { .. } => {
+                            Ok(StreamError::Unavailable(e.to_string()))
+                        }
+                        other => Err(other),
+                    })?;
                 tracing::info!(slot = %self.config.slot, ?setup, "stream: slot set up");
                 Ok(())
             }
@@ -365,15 +374,22 @@ impl Streamer {
         stop: &CancellationToken,
         report: &mut StreamReport,
     ) -> Result<(), Ended> {
+        let alive = || client.is_running();
         let done = deliver(
             &self.store,
             &self.sinks,
             batch,
             self.config.max_backoff,
             stop,
+            &alive,
         )
         .await
-        .map_err(|_| Ended::Stopped)?;
+        .map_err(|e| match e {
+            Stopped::Stop => Ended::Stopped,
+            Stopped::SessionLost => Ended::Broken(
+                "the replication session ended while a batch was delivered; it is streamed again from the confirmed position".into(),
+            ),
+        })?;
         batch.clear();
         report.delivered += done.delivered;
         report.dead_lettered += done.dead_lettered;
