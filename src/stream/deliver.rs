@@ -56,15 +56,15 @@ struct Slot {
     retries: u32,
 }
 
-fn claimed(id: &str, m: &Encoded, committed_at: DateTime<Utc>) -> ClaimedMessage {
+fn claimed(id: String, m: Encoded, committed_at: DateTime<Utc>) -> ClaimedMessage {
     let at = m.created_at.unwrap_or(committed_at);
     ClaimedMessage {
         id: 0,
-        topic: m.topic.clone(),
-        key: m.key.clone(),
         ordered: m.key.is_some(),
-        payload: m.payload.clone(),
-        headers: m.headers.clone(),
+        topic: m.topic,
+        key: m.key,
+        payload: m.payload,
+        headers: m.headers,
         priority: 0,
         run_at: at,
         attempts: 1,
@@ -75,7 +75,7 @@ fn claimed(id: &str, m: &Encoded, committed_at: DateTime<Utc>) -> ClaimedMessage
         last_error: None,
         dedup_key: None,
         undecodable: None,
-        stream_id: Some(id.to_owned()),
+        stream_id: Some(id),
     }
 }
 
@@ -87,17 +87,19 @@ fn claimed(id: &str, m: &Encoded, committed_at: DateTime<Utc>) -> ClaimedMessage
 pub async fn deliver(
     store: &Store,
     sinks: &[Arc<dyn Sink>],
-    items: &[Item],
+    items: Vec<Item>,
     max_backoff: Duration,
     stop: &tokio_util::sync::CancellationToken,
     session_alive: &(dyn Fn() -> bool + Sync),
 ) -> Result<Delivered, Stopped> {
     let mut done = Delivered::default();
     let mut pending: Vec<Slot> = Vec::with_capacity(items.len());
-    for (i, item) in items.iter().enumerate() {
-        match &item.message {
+    // Each sink's topics, read once (not once a message).
+    let routes: Vec<crate::store::Topics> = sinks.iter().map(|s| s.topics()).collect();
+    for (i, item) in items.into_iter().enumerate() {
+        match item.message {
             Err((why, raw)) => {
-                let payload = serde_json::Value::String(raw.clone());
+                let payload = serde_json::Value::String(raw);
                 dead_letter(
                     store,
                     &item.id,
@@ -112,11 +114,11 @@ pub async fn deliver(
                 .await?;
                 done.dead_lettered += 1;
             }
-            Ok(m) => match sinks.iter().position(|s| s.topics().matches(&m.topic)) {
+            Ok(m) => match routes.iter().position(|t| t.matches(&m.topic)) {
                 Some(sink) => pending.push(Slot {
                     item: i,
                     sink,
-                    message: claimed(&item.id, m, item.committed_at),
+                    message: claimed(item.id, m, item.committed_at),
                     retries: 0,
                 }),
                 None => {

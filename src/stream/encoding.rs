@@ -78,33 +78,37 @@ impl Encoded {
         serde_json::to_string(self).expect("a message of JSON values serializes")
     }
 
-    /// Reads a content; the version is checked before the rest, so a later version's shape gets
-    /// the version error.
+    /// Reads a content in one pass; only when that fails is the version read on its own, so a
+    /// later version's shape gets the version error.
     pub fn decode(content: &[u8]) -> Result<Encoded, DecodeError> {
-        #[derive(Deserialize)]
-        struct Version {
-            v: Option<serde_json::Value>,
-        }
-        let version: Version =
-            serde_json::from_slice(content).map_err(|e| DecodeError::Malformed(e.to_string()))?;
-        match version.v {
-            Some(serde_json::Value::Number(n)) if n.as_u64() == Some(u64::from(VERSION)) => {}
-            Some(serde_json::Value::Number(n)) if n.as_u64().is_some() => {
-                return Err(DecodeError::Version(n.as_u64().unwrap_or_default()));
+        match serde_json::from_slice::<Encoded>(content) {
+            Ok(m) if m.v != VERSION => Err(DecodeError::Version(u64::from(m.v))),
+            Ok(m) if m.topic.is_empty() => Err(DecodeError::EmptyTopic),
+            Ok(m) => Ok(m),
+            Err(e) => {
+                #[derive(Deserialize)]
+                struct Version {
+                    v: Option<serde_json::Value>,
+                }
+                Err(
+                    match serde_json::from_slice::<Version>(content).map(|v| v.v) {
+                        Ok(Some(serde_json::Value::Number(n)))
+                            if n.as_u64().is_some_and(|v| v != u64::from(VERSION)) =>
+                        {
+                            DecodeError::Version(n.as_u64().unwrap_or_default())
+                        }
+                        Ok(Some(serde_json::Value::Number(_))) => {
+                            DecodeError::Malformed(e.to_string())
+                        }
+                        Ok(Some(other)) => DecodeError::Malformed(format!(
+                            "v: must be the version number, got {other}"
+                        )),
+                        Ok(None) => DecodeError::Malformed("v: missing".into()),
+                        Err(e) => DecodeError::Malformed(e.to_string()),
+                    },
+                )
             }
-            Some(other) => {
-                return Err(DecodeError::Malformed(format!(
-                    "v: must be the version number, got {other}"
-                )));
-            }
-            None => return Err(DecodeError::Malformed("v: missing".into())),
         }
-        let m: Encoded =
-            serde_json::from_slice(content).map_err(|e| DecodeError::Malformed(e.to_string()))?;
-        if m.topic.is_empty() {
-            return Err(DecodeError::EmptyTopic);
-        }
-        Ok(m)
     }
 }
 

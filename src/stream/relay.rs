@@ -281,26 +281,50 @@ impl Streamer {
         stop: &CancellationToken,
         report: &mut StreamReport,
     ) -> Ended {
+        // Cancelled when the replication session ends: a batch still being delivered then stops
+        // (another relay may stream the slot by now).
+        let lost = CancellationToken::new();
+        let ended = self.read(client, stop, report, &lost).await;
+        lost.cancel();
+        ended
+    }
+
+    async fn read(
+        &self,
+        client: &mut ReplicationClient,
+        stop: &CancellationToken,
+        report: &mut StreamReport,
+        lost: &CancellationToken,
+    ) -> Ended {
         const LINGER: Duration = Duration::from_millis(2);
-        let mut batch: Vec<Item> = Vec::new();
+        let mut batch = Batch::default();
         // The transaction being read: its commit position, commit time and messages so far.
         let mut tx: Option<(u64, chrono::DateTime<chrono::Utc>, u32)> = None;
-        // A commit read while its messages are in the batch: confirmed once the batch is done.
-        let mut confirm_after: Option<Lsn> = None;
+        // One batch is delivered while the next is read; its commit to confirm once it is done.
+        let mut in_flight: Option<InFlight> = None;
         loop {
-            let event = if batch.is_empty() {
-                tokio::select! {
-                    e = client.recv() => e,
-                    _ = stop.cancelled() => return Ended::Stopped,
-                }
-            } else {
-                tokio::select! {
-                    biased;
-                    e = client.recv() => e,
-                    _ = tokio::time::sleep(LINGER) => {
-                        if let Err(e) = self.flush(client, &mut batch, &mut confirm_after, stop, report).await { return e; }
-                        continue;
+            let event = tokio::select! {
+                biased;
+                done = async { (&mut in_flight.as_mut().expect("guarded").task).await }, if in_flight.is_some() => {
+                    let confirm_at = in_flight.take().expect("guarded").confirm_at;
+                    if let Err(e) = self.settled(done, confirm_at, client, report) {
+                        return e;
                     }
+                    continue;
+                }
+                e = client.recv() => e,
+                _ = tokio::time::sleep(LINGER), if !batch.items.is_empty() => {
+                    if let Err(e) = self.flush(&mut batch, &mut in_flight, client, stop, lost, report).await {
+                        return e;
+                    }
+                    continue;
+                }
+                _ = stop.cancelled() => {
+                    if let Some(f) = in_flight.take() {
+                        let done = f.task.await;
+                        let _ = self.settled(done, f.confirm_at, client, report);
+                    }
+                    return Ended::Stopped;
                 }
             };
             let event = match event {
@@ -328,7 +352,8 @@ impl Streamer {
                         // Emitted outside a transaction: its own position is its id.
                         _ => (lsn.0, chrono::Utc::now(), 0),
                     };
-                    batch.push(Item {
+                    batch.bytes += content.len();
+                    batch.items.push(Item {
                         id: stream_id(commit, index),
                         committed_at: at,
                         message: Encoded::decode(&content).map_err(|e| {
@@ -339,9 +364,9 @@ impl Streamer {
                             )
                         }),
                     });
-                    if batch.len() >= self.config.batch_size
+                    if (batch.items.len() >= self.config.batch_size || batch.bytes >= BATCH_BYTES)
                         && let Err(e) = self
-                            .flush(client, &mut batch, &mut confirm_after, stop, report)
+                            .flush(&mut batch, &mut in_flight, client, stop, lost, report)
                             .await
                     {
                         return e;
@@ -349,15 +374,20 @@ impl Streamer {
                 }
                 ReplicationEvent::Commit { end_lsn, .. } => {
                     tx = None;
-                    if batch.is_empty() {
-                        confirm(client, end_lsn, report);
+                    if !batch.items.is_empty() {
+                        batch.confirm_at = Some(end_lsn);
+                    } else if let Some(f) = &mut in_flight {
+                        // Its messages (if any) are in the batch being delivered.
+                        f.confirm_at = Some(end_lsn);
                     } else {
-                        confirm_after = Some(end_lsn);
+                        confirm(client, end_lsn, report);
                     }
                 }
                 // Nothing is in flight: everything before the server's position is delivered
                 // (this is what moves the slot while no message is published).
-                ReplicationEvent::KeepAlive { wal_end, .. } if batch.is_empty() && tx.is_none() => {
+                ReplicationEvent::KeepAlive { wal_end, .. }
+                    if batch.items.is_empty() && tx.is_none() && in_flight.is_none() =>
+                {
                     confirm(client, wal_end, report);
                 }
                 ReplicationEvent::StoppedAt { .. } => return Ended::Stopped,
@@ -366,39 +396,83 @@ impl Streamer {
         }
     }
 
+    /// Hands `batch` to a delivery task, once the one before it is done (deliveries stay in
+    /// order; reading goes on meanwhile).
     async fn flush(
         &self,
+        batch: &mut Batch,
+        in_flight: &mut Option<InFlight>,
         client: &ReplicationClient,
-        batch: &mut Vec<Item>,
-        confirm_after: &mut Option<Lsn>,
         stop: &CancellationToken,
+        lost: &CancellationToken,
         report: &mut StreamReport,
     ) -> Result<(), Ended> {
-        let alive = || client.is_running();
-        let done = deliver(
-            &self.store,
-            &self.sinks,
-            batch,
+        if let Some(f) = in_flight.take() {
+            let done = f.task.await;
+            self.settled(done, f.confirm_at, client, report)?;
+        }
+        let Batch {
+            items, confirm_at, ..
+        } = std::mem::take(batch);
+        let (store, sinks, backoff) = (
+            self.store.clone(),
+            self.sinks.clone(),
             self.config.max_backoff,
-            stop,
-            &alive,
-        )
-        .await
-        .map_err(|e| match e {
-            Stopped::Stop => Ended::Stopped,
-            Stopped::SessionLost => Ended::Broken(
-                "the replication session ended while a batch was delivered; it is streamed again from the confirmed position".into(),
-            ),
-        })?;
-        batch.clear();
+        );
+        let (stop, lost) = (stop.clone(), lost.clone());
+        let task = tokio::spawn(async move {
+            let alive = || !lost.is_cancelled();
+            deliver(&store, &sinks, items, backoff, &stop, &alive).await
+        });
+        *in_flight = Some(InFlight { task, confirm_at });
+        Ok(())
+    }
+
+    /// A delivery task ended: count it, and confirm its commit if it finished.
+    fn settled(
+        &self,
+        done: Result<Result<Delivered, Stopped>, tokio::task::JoinError>,
+        confirm_at: Option<Lsn>,
+        client: &ReplicationClient,
+        report: &mut StreamReport,
+    ) -> Result<(), Ended> {
+        let done = match done {
+            Ok(Ok(d)) => d,
+            Ok(Err(Stopped::Stop)) => return Err(Ended::Stopped),
+            Ok(Err(Stopped::SessionLost)) => {
+                return Err(Ended::Broken(
+                    "the replication session ended while a batch was delivered; it is streamed again from the confirmed position".into(),
+                ));
+            }
+            Err(e) => return Err(Ended::Broken(format!("stream delivery task: {e}"))),
+        };
         report.delivered += done.delivered;
         report.dead_lettered += done.dead_lettered;
         self.observe(|o| o.stream_delivered(done));
-        if let Some(l) = confirm_after.take() {
+        if let Some(l) = confirm_at {
             confirm(client, l, report);
         }
         Ok(())
     }
+}
+
+/// Bytes of message content a batch holds at most (besides `batch_size`): large messages make
+/// smaller batches.
+const BATCH_BYTES: usize = 16 << 20;
+
+/// The messages read and not yet handed to delivery.
+#[derive(Default)]
+struct Batch {
+    items: Vec<Item>,
+    bytes: usize,
+    /// The last commit whose messages are all in this batch or before it.
+    confirm_at: Option<Lsn>,
+}
+
+/// The batch being delivered.
+struct InFlight {
+    task: tokio::task::JoinHandle<Result<Delivered, Stopped>>,
+    confirm_at: Option<Lsn>,
 }
 
 fn confirm(client: &ReplicationClient, lsn: Lsn, report: &mut StreamReport) {
