@@ -545,3 +545,51 @@ async fn setup_refuses_a_slot_name_another_database_holds_and_publish_refuses_wh
     );
     postbox::publish(&mut db.conn(), &Message::new("t")).unwrap();
 }
+
+#[test]
+fn a_relay_stopped_while_a_backlog_streams_exits_promptly_and_the_next_one_loses_nothing() {
+    let server = logical();
+    let db = server.migrated();
+    setup(&db);
+    // A backlog published before the relay starts: the stream always has an event ready.
+    let msgs: Vec<Message> = (0..60_000)
+        .map(|n| {
+            Message::new("t")
+                .key(format!("k{}", n % 7))
+                .payload(&serde_json::json!({ "n": n }))
+        })
+        .collect();
+    let mut conn = db.conn();
+    for chunk in msgs.chunks(1000) {
+        conn.transaction(|c| postbox::publish_many(c, chunk))
+            .unwrap();
+    }
+    let mut first = Relay::start(&db.url, "");
+    assert!(
+        first.wait_lines(5000, Duration::from_secs(30)),
+        "{}",
+        first.log()
+    );
+    let asked = Instant::now();
+    first.terminate();
+    let took = asked.elapsed();
+    assert!(first.log().contains("relay stopped"), "{}", first.log());
+    let second = Relay::start(&db.url, "");
+    let all: std::collections::HashSet<i64> = (0..60_000).collect();
+    assert!(
+        wait(Duration::from_secs(60), || {
+            let got: std::collections::HashSet<i64> = ns(&first.lines())
+                .into_iter()
+                .chain(ns(&second.lines()))
+                .collect();
+            all.is_subset(&got)
+        }),
+        "{}",
+        second.log()
+    );
+    eprintln!(
+        "stopped after {} lines in {took:?}; the next relay delivered {} lines",
+        first.lines().len(),
+        second.lines().len()
+    );
+}

@@ -304,7 +304,15 @@ impl Streamer {
         let mut in_flight: Option<InFlight> = None;
         loop {
             let event = tokio::select! {
+                // Stop first: a busy stream always has an event ready.
                 biased;
+                _ = stop.cancelled() => {
+                    if let Some(f) = in_flight.take() {
+                        let done = f.task.await;
+                        let _ = self.settled(done, f.confirm_at, client, report);
+                    }
+                    return Ended::Stopped;
+                }
                 done = async { (&mut in_flight.as_mut().expect("guarded").task).await }, if in_flight.is_some() => {
                     let confirm_at = in_flight.take().expect("guarded").confirm_at;
                     if let Err(e) = self.settled(done, confirm_at, client, report) {
@@ -318,13 +326,6 @@ impl Streamer {
                         return e;
                     }
                     continue;
-                }
-                _ = stop.cancelled() => {
-                    if let Some(f) = in_flight.take() {
-                        let done = f.task.await;
-                        let _ = self.settled(done, f.confirm_at, client, report);
-                    }
-                    return Ended::Stopped;
                 }
             };
             let event = match event {
