@@ -20,6 +20,8 @@ use tokio_util::sync::CancellationToken;
 
 const LEASE: Duration = Duration::from_secs(30);
 const BATCH: usize = 100;
+/// Migrations in the tree: one more means one more revert in the upgrade test below.
+const MIGRATION_COUNT: usize = 16;
 
 fn ids_of(msgs: &[postbox::store::ClaimedMessage]) -> Vec<i64> {
     msgs.iter().map(|m| m.id).collect()
@@ -660,7 +662,9 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
              VALUES (1000, 'a', false, '8', '{}', 0, 3, 3, now(), 'old failure');",
     )
     .unwrap();
-    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), 13);
+    // Every migration after the first runs on the live table.
+    let after_first = MIGRATION_COUNT - 1;
+    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), after_first);
     // A hold's ids are kept out of line uncompressed (compressing them cost most of a registration).
     assert_eq!(
         db.scalar(
@@ -729,6 +733,8 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
         "INSERT INTO postbox.messages (topic, key, ordered) VALUES ('o', 'k', true), ('o', 'k', true);
          INSERT INTO postbox.messages (topic, run_at) VALUES ('a', now() + interval '1 hour')",
     );
+    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // stream dead letters
+    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // stream
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // claim order
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // claim order index
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // limited claims
@@ -750,7 +756,7 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
         1,
         "the previous claim takes the head of the key only"
     );
-    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), 13);
+    assert_eq!(postbox::migrate(&mut conn).unwrap().len(), after_first);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
