@@ -274,6 +274,51 @@ fn a_standby_relay_takes_the_slot_over_within_seconds_of_the_active_one_dying() 
 }
 
 #[test]
+fn relays_racing_for_one_slot_leave_exactly_one_streamer_and_deliver_each_message_once() {
+    let server = logical();
+    let db = server.migrated();
+    setup(&db);
+    // Three replicas started together, as a deployment's pods are: they race for the slot.
+    let relays: Vec<Relay> = (0..3).map(|_| Relay::start(&db.url, "")).collect();
+    let active = || {
+        relays
+            .iter()
+            .filter(|r| r.metric("postbox_stream_active") == Some(1.0))
+            .count()
+    };
+    assert!(
+        wait(Duration::from_secs(20), || active() == 1
+            && relays
+                .iter()
+                .all(|r| r.metric("postbox_stream_active").is_some())),
+        "{}",
+        relays
+            .iter()
+            .map(Relay::log)
+            .collect::<Vec<_>>()
+            .join("\n---\n")
+    );
+    let mut conn = db.conn();
+    for n in 0..200 {
+        publish(&mut conn, "t", &format!("k{}", n % 7), n);
+    }
+    // A last message: once it is there, everything committed before it was delivered.
+    publish(&mut conn, "t", "end", 200);
+    assert!(wait(Duration::from_secs(30), || relays
+        .iter()
+        .any(|r| ns(&r.lines()).contains(&200))));
+    let per_relay: Vec<Vec<i64>> = relays.iter().map(|r| ns(&r.lines())).collect();
+    let streamers: Vec<&Vec<i64>> = per_relay.iter().filter(|n| !n.is_empty()).collect();
+    assert_eq!(streamers.len(), 1, "{per_relay:?}");
+    assert_eq!(*streamers[0], (0..=200).collect::<Vec<_>>());
+    assert_eq!(active(), 1);
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM pg_stat_replication WHERE application_name = 'postbox-stream'"),
+        1
+    );
+}
+
+#[test]
 fn a_lost_or_dropped_slot_stops_the_stream_loudly_until_an_operator_sets_it_up_again() {
     let server = OwnServer::start(&[
         "wal_level=logical",

@@ -138,6 +138,17 @@ impl Broker {
 
     /// Reads `n` messages of `topic` (or what arrived before the deadline).
     pub fn consume(&self, topic: &str, n: usize) -> Vec<Consumed> {
+        self.consume_until(topic, |got| got.len() >= n, Duration::ZERO)
+    }
+
+    /// Reads `topic` from its start until `done` holds of what was read and then nothing more
+    /// came for `quiet` (or a minute passed), in each partition's order.
+    pub fn consume_until(
+        &self,
+        topic: &str,
+        mut done: impl FnMut(&[Consumed]) -> bool,
+        quiet: Duration,
+    ) -> Vec<Consumed> {
         let consumer: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", self.brokers())
             .set("group.id", format!("test-{}", fastrand::u64(..)))
@@ -149,8 +160,18 @@ impl Broker {
         consumer.subscribe(&[topic]).unwrap();
         let mut out = Vec::new();
         let end = Instant::now() + Duration::from_secs(60);
-        while out.len() < n && Instant::now() < end {
-            if let Some(Ok(m)) = consumer.poll(Duration::from_millis(200)) {
+        let mut finished: Option<Instant> = None;
+        while Instant::now() < end {
+            if finished.is_none() && done(&out) {
+                finished = Some(Instant::now());
+            }
+            if finished.is_some_and(|at| at.elapsed() >= quiet) {
+                break;
+            }
+            if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
+                if finished.is_some() {
+                    finished = Some(Instant::now());
+                }
                 let mut headers = BTreeMap::new();
                 if let Some(h) = m.headers() {
                     for hd in h.iter() {
