@@ -133,6 +133,23 @@ async fn streamer(
         observer: None,
     };
     let stop = CancellationToken::new();
+    if std::env::var_os("BENCH_STREAM_THREAD").is_some() {
+        let stop2 = stop.clone();
+        let url = url.to_owned();
+        let th = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let store = postbox::Store::connect(&url, 2).await.unwrap();
+                let s = postbox::stream::Streamer { store, ..s };
+                s.run(stop2).await.unwrap();
+            });
+        });
+        let task = tokio::task::spawn_blocking(move || th.join().unwrap());
+        return (stop, task);
+    }
     let task = tokio::spawn({
         let stop = stop.clone();
         async move {
@@ -168,8 +185,23 @@ async fn until_confirmed(url: &str, slot: &str, end: i64, t: Instant) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
+/// Moves the bench's slot past everything written so far, its restart point too (a checkpoint
+/// logs the running transactions that lets it move): each run then decodes its own messages only,
+/// as `pg_recvlogical` does with a slot made for its run.
+fn skip_to_now(url: &str) {
+    PgConnection::establish(url)
+        .unwrap()
+        .batch_execute(&format!(
+            "CHECKPOINT; SELECT pg_replication_slot_advance('{SLOT}', pg_current_wal_lsn())"
+        ))
+        .unwrap();
+}
+
 /// The streamer over `n` published messages to `sink`: msg/s from its start to the confirmed end.
 async fn stream_rate(url: &str, n: usize, sink: Arc<dyn Sink>) -> f64 {
+    // The slot starts at the server's position: what was published before (for pg_recvlogical's
+    // run, or the writers) is not part of this run's figure.
+    skip_to_now(url);
     publish_events(url, n);
     let end = current(&mut PgConnection::establish(url).unwrap());
     let t = Instant::now();
@@ -349,6 +381,7 @@ pub async fn run(url: &str, kafka: Option<&str>, n: usize) {
     );
     // Commit → Kafka acknowledgement at 500 msg/s for 5 s, both ways.
     reset(url);
+    skip_to_now(url);
     let ms: Arc<Mutex<Vec<f64>>> = Arc::default();
     let (stop, task) = streamer(
         url,
