@@ -21,7 +21,7 @@ pub struct StreamSection {
     /// How often the confirmed position is reported to the server (default 1s).
     #[serde(default, with = "opt_duration")]
     pub status_interval: Option<Duration>,
-    /// Messages delivered together, and so held in memory at most (default 1000).
+    /// Messages delivered together, and so held in memory at most (default 5000).
     pub batch_size: Option<usize>,
     /// How often a standby relay tries to take the slot over (default 1s).
     #[serde(default, with = "opt_duration")]
@@ -64,7 +64,7 @@ impl StreamSection {
                 "must be between 100ms and 60s (the server's wal_sender_timeout is 60s by default)",
             ));
         }
-        let batch_size = self.batch_size.unwrap_or(1000);
+        let batch_size = self.batch_size.unwrap_or(5000);
         if !(1..=100_000).contains(&batch_size) {
             return Err(err("stream.batch_size", "must be between 1 and 100000"));
         }

@@ -321,7 +321,7 @@ fn the_stream_section_fills_its_defaults_and_names_a_bad_field() {
     );
     assert!(s.create_slot);
     assert_eq!(s.status_interval, Duration::from_secs(1));
-    assert_eq!(s.batch_size, 1000);
+    assert_eq!(s.batch_size, 5000);
     let none = Config::from_toml("")
         .unwrap()
         .resolve(Overrides::default())

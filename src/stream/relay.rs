@@ -27,7 +27,7 @@ pub struct StreamConfig {
     pub create_slot: bool,
     /// How often the confirmed position is sent to the server (default 1 s).
     pub status_interval: Duration,
-    /// Messages delivered together (default 1,000): with the replication buffer, what the relay
+    /// Messages delivered together (default 5,000): with the replication buffer, what the relay
     /// holds in memory at most, whatever the size of a transaction.
     pub batch_size: usize,
     /// How often a relay that waits for the slot (another one streams it) tries to take it
@@ -44,7 +44,7 @@ impl Default for StreamConfig {
             publication: "postbox_stream".into(),
             create_slot: true,
             status_interval: Duration::from_secs(1),
-            batch_size: 1000,
+            batch_size: 5000,
             takeover_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(30),
         }
@@ -318,10 +318,17 @@ impl Streamer {
                     if let Err(e) = self.settled(done, confirm_at, client, report) {
                         return e;
                     }
+                    // What was read meanwhile goes now: under load, batches fill while the one
+                    // before them is delivered; when quiet, a message waits for nothing.
+                    if !batch.items.is_empty()
+                        && let Err(e) = self.flush(&mut batch, &mut in_flight, client, stop, lost, report).await
+                    {
+                        return e;
+                    }
                     continue;
                 }
                 e = client.recv() => e,
-                _ = tokio::time::sleep(LINGER), if !batch.items.is_empty() => {
+                _ = tokio::time::sleep(LINGER), if !batch.items.is_empty() && in_flight.is_none() => {
                     if let Err(e) = self.flush(&mut batch, &mut in_flight, client, stop, lost, report).await {
                         return e;
                     }
@@ -377,6 +384,13 @@ impl Streamer {
                     tx = None;
                     if !batch.items.is_empty() {
                         batch.confirm_at = Some(end_lsn);
+                        if in_flight.is_none()
+                            && let Err(e) = self
+                                .flush(&mut batch, &mut in_flight, client, stop, lost, report)
+                                .await
+                        {
+                            return e;
+                        }
                     } else if let Some(f) = &mut in_flight {
                         // Its messages (if any) are in the batch being delivered.
                         f.confirm_at = Some(end_lsn);
