@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::proxy::FreezingProxy;
 use common::relay::{Relay, wait};
 use common::{OwnServer, TestDb, hermetic};
 use diesel::{Connection, PgConnection, RunQueryDsl};
@@ -316,6 +317,48 @@ fn relays_racing_for_one_slot_leave_exactly_one_streamer_and_deliver_each_messag
         db.scalar("SELECT count(*) AS v FROM pg_stat_replication WHERE application_name = 'postbox-stream'"),
         1
     );
+}
+
+#[test]
+fn a_replication_connection_gone_silent_is_found_out_and_replaced() {
+    // The server ends a walsender it has not heard from in 3 s (60 s by default).
+    let server = OwnServer::start(&[
+        "wal_level=logical",
+        "max_wal_senders=10",
+        "wal_sender_timeout=3s",
+    ]);
+    let db = server.migrated();
+    setup(&db);
+    let proxy = FreezingProxy::start_to(
+        format!("postgres://postgres@127.0.0.1:{}", server.port),
+        b"START_REPLICATION",
+    );
+    let relay = Relay::start(&proxy.route(&db.url), "heartbeat_interval = \"1s\"");
+    let mut conn = db.conn();
+    publish(&mut conn, "t", "k", 1);
+    assert!(
+        relay.wait_lines(1, Duration::from_secs(20)),
+        "{}",
+        relay.log()
+    );
+    // Confirmed past it first (else it is redelivered after the new connection: in flight).
+    let published = db.scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint AS v");
+    assert!(wait(Duration::from_secs(20), || {
+        db.scalar(
+        "SELECT (confirmed_flush_lsn - '0/0')::bigint AS v FROM pg_replication_slots WHERE slot_name = 'postbox'"
+    ) >= published
+    }));
+    // The link goes silent without a reset (a NAT or a firewall that forgot the connection):
+    // nothing more is forwarded either way, nothing is closed.
+    assert_eq!(proxy.freeze_listeners(), 1);
+    publish(&mut conn, "t", "k", 2);
+    assert!(
+        wait(Duration::from_secs(30), || ns(&relay.lines()).contains(&2)),
+        "{}",
+        relay.log()
+    );
+    assert!(relay.log().contains("presumed dead"), "{}", relay.log());
+    assert_eq!(ns(&relay.lines()), vec![1, 2]);
 }
 
 #[test]

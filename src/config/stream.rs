@@ -26,6 +26,11 @@ pub struct StreamSection {
     /// How often a standby relay tries to take the slot over (default 1s).
     #[serde(default, with = "opt_duration")]
     pub takeover_interval: Option<Duration>,
+    /// After this long without a word from the server, a heartbeat is written into the WAL; when
+    /// it does not come back within as long again, the connection is presumed dead and replaced
+    /// (default 10s).
+    #[serde(default, with = "opt_duration")]
+    pub heartbeat_interval: Option<Duration>,
 }
 
 /// `[stream]` with every default filled in.
@@ -37,6 +42,7 @@ pub struct StreamSettings {
     pub status_interval: Duration,
     pub batch_size: usize,
     pub takeover_interval: Duration,
+    pub heartbeat_interval: Duration,
 }
 
 fn name(field: &'static str, value: &str) -> Result<(), ConfigError> {
@@ -72,6 +78,10 @@ impl StreamSection {
         if takeover_interval < Duration::from_millis(100) {
             return Err(err("stream.takeover_interval", "must be at least 100ms"));
         }
+        let heartbeat_interval = self.heartbeat_interval.unwrap_or(Duration::from_secs(10));
+        if heartbeat_interval < Duration::from_millis(500) {
+            return Err(err("stream.heartbeat_interval", "must be at least 500ms"));
+        }
         Ok(StreamSettings {
             slot,
             publication,
@@ -79,6 +89,7 @@ impl StreamSection {
             status_interval,
             batch_size,
             takeover_interval,
+            heartbeat_interval,
         })
     }
 }

@@ -335,6 +335,10 @@ fn the_stream_section_fills_its_defaults_and_names_a_bad_field() {
             "[stream]\nstatus_interval = \"10ms\"",
             "stream.status_interval",
         ),
+        (
+            "[stream]\nheartbeat_interval = \"100ms\"",
+            "stream.heartbeat_interval",
+        ),
         ("[stream]\nslots = \"x\"", "stream"),
     ] {
         let e = Config::from_toml(toml)

@@ -290,6 +290,17 @@ impl Store {
     }
 }
 
+/// Writes a stream heartbeat (a non-transactional logical message of prefix `postbox-heartbeat`,
+/// which the streamer reads and skips) over a connection of its own, so that a pool connection
+/// stuck on the same dead link cannot hold it up.
+pub async fn stream_heartbeat(url: &str) -> Result<()> {
+    let mut conn = super::connect::open(url).await?;
+    diesel::sql_query("SELECT pg_logical_emit_message(false, 'postbox-heartbeat', '')")
+        .execute(&mut conn)
+        .await?;
+    Ok(())
+}
+
 /// The server's slot of a name, whichever database it belongs to.
 #[derive(QueryableByName)]
 struct ServerSlot {

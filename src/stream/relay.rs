@@ -35,6 +35,11 @@ pub struct StreamConfig {
     pub takeover_interval: Duration,
     /// The longest back-off while a sink is away (default 30 s).
     pub max_backoff: Duration,
+    /// After this long without a word from the server (the server says nothing while nothing
+    /// is written), a heartbeat is written into the WAL over a connection of its own; when it
+    /// does not come back within as long again, the replication connection is presumed dead (a
+    /// link that went silent without a reset) and replaced (default 10 s).
+    pub heartbeat_interval: Duration,
 }
 
 impl Default for StreamConfig {
@@ -47,6 +52,7 @@ impl Default for StreamConfig {
             batch_size: 5000,
             takeover_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(10),
         }
     }
 }
@@ -302,7 +308,11 @@ impl Streamer {
         let mut tx: Option<(u64, chrono::DateTime<chrono::Utc>, u32)> = None;
         // One batch is delivered while the next is read; its commit to confirm once it is done.
         let mut in_flight: Option<InFlight> = None;
+        // When the server was last heard from, and when a heartbeat was written since.
+        let heartbeat = self.config.heartbeat_interval;
+        let (mut heard, mut beat) = (tokio::time::Instant::now(), None);
         loop {
+            let check_at = beat.unwrap_or(heard) + heartbeat;
             let event = tokio::select! {
                 // Stop first: a busy stream always has an event ready.
                 biased;
@@ -334,7 +344,25 @@ impl Streamer {
                     }
                     continue;
                 }
+                _ = tokio::time::sleep_until(check_at) => {
+                    if beat.is_some() {
+                        return Ended::Broken(format!(
+                            "no word from the server for {heartbeat:?} after a heartbeat was written: the replication connection is presumed dead"
+                        ));
+                    }
+                    match tokio::time::timeout(heartbeat, crate::store::stream_heartbeat(&self.url)).await {
+                        Ok(Ok(())) => beat = Some(tokio::time::Instant::now()),
+                        // The database is away too: the replication connection may be fine.
+                        Ok(Err(e)) => {
+                            tracing::debug!(error = %crate::config::redact_url(&e.to_string()), "stream: cannot write a heartbeat");
+                            heard = tokio::time::Instant::now();
+                        }
+                        Err(_) => heard = tokio::time::Instant::now(),
+                    }
+                    continue;
+                }
             };
+            (heard, beat) = (tokio::time::Instant::now(), None);
             let event = match event {
                 Ok(Some(e)) => e,
                 Ok(None) => return Ended::Broken("the replication stream ended".into()),

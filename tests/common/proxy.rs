@@ -19,9 +19,16 @@ struct ProxiedConn {
 
 impl FreezingProxy {
     pub fn start() -> FreezingProxy {
+        Self::start_to(super::server_url(), b"LISTEN postbox")
+    }
+
+    /// A proxy to the server of `server_url` whose connections are marked (to be frozen) once
+    /// their client sends `marker`.
+    pub fn start_to(server_url: String, marker: &'static [u8]) -> FreezingProxy {
         use std::io::{Read, Write};
         use std::sync::atomic::Ordering::SeqCst;
-        let upstream = super::server_url().rsplit('@').next().unwrap().to_owned();
+        let upstream = server_url.rsplit('@').next().unwrap().to_owned();
+        let upstream = upstream.split('/').next().unwrap().to_owned();
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let conns: Arc<Mutex<Vec<Arc<ProxiedConn>>>> = Default::default();
@@ -50,7 +57,7 @@ impl FreezingProxy {
                                 Ok(0) | Err(_) => return,
                                 Ok(n) => n,
                             };
-                            if up && buf[..n].windows(14).any(|w| w == b"LISTEN postbox") {
+                            if up && buf[..n].windows(marker.len()).any(|w| w == marker) {
                                 conn.listener.store(true, SeqCst);
                             }
                             if conn.frozen.load(SeqCst) {
@@ -67,6 +74,14 @@ impl FreezingProxy {
         FreezingProxy { port, conns }
     }
 
+    /// `url` (of the proxied server) through the proxy.
+    pub fn route(&self, url: &str) -> String {
+        let (user, rest) = url.rsplit_once('@').unwrap();
+        let path = rest.split_once('/').map_or("", |(_, p)| p);
+        format!("{user}@127.0.0.1:{}/{path}", self.port)
+    }
+
+    /// The URL of `db` through the proxy.
     pub fn url(&self, db: &TestDb) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{}", self.port, db.name)
     }
