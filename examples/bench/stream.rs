@@ -125,7 +125,7 @@ async fn streamer(
             batch_size: std::env::var("BENCH_STREAM_BATCH")
                 .ok()
                 .and_then(|v| v.parse().ok())
-                .unwrap_or(1000),
+                .unwrap_or(postbox::stream::StreamConfig::default().batch_size),
             ..Default::default()
         },
         sinks: vec![sink],
@@ -133,23 +133,6 @@ async fn streamer(
         observer: None,
     };
     let stop = CancellationToken::new();
-    if std::env::var_os("BENCH_STREAM_THREAD").is_some() {
-        let stop2 = stop.clone();
-        let url = url.to_owned();
-        let th = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                let store = postbox::Store::connect(&url, 2).await.unwrap();
-                let s = postbox::stream::Streamer { store, ..s };
-                s.run(stop2).await.unwrap();
-            });
-        });
-        let task = tokio::task::spawn_blocking(move || th.join().unwrap());
-        return (stop, task);
-    }
     let task = tokio::spawn({
         let stop = stop.clone();
         async move {
