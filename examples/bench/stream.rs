@@ -358,9 +358,23 @@ pub async fn run(url: &str, kafka: Option<&str>, n: usize) {
     println!(
         "stream: {n} messages to Kafka (3 partitions): from the stream {from_stream:.0?} msg/s; from the table (batch 1000, 4 in flight) {from_table:.0?} msg/s"
     );
+    let ceiling: Vec<f64> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            v.push(super::kafka_raw(brokers, n).await);
+        }
+        v
+    };
+    println!(
+        "stream: the broker's ceiling here (a producer alone, the same records from memory): {ceiling:.0?} msg/s"
+    );
     println!(
         "stream_vs_table_kafka={:.2}",
         median(&from_stream) / median(&from_table)
+    );
+    println!(
+        "stream_kafka_vs_ceiling={:.2}",
+        median(&from_stream) / median(&ceiling)
     );
     // Commit → Kafka acknowledgement at 500 msg/s for 5 s, both ways.
     reset(url);
