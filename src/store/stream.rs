@@ -301,6 +301,12 @@ pub async fn stream_heartbeat(url: &str) -> Result<()> {
     Ok(())
 }
 
+#[derive(QueryableByName)]
+struct Number {
+    #[diesel(sql_type = BigInt)]
+    n: i64,
+}
+
 /// The server's slot of a name, whichever database it belongs to.
 #[derive(QueryableByName)]
 struct ServerSlot {
@@ -402,9 +408,18 @@ async fn setup_slot(
             diesel::sql_query("SET LOCAL statement_timeout = 0")
                 .execute(c)
                 .await?;
-            diesel::sql_query(
-                "SELECT 1 FROM pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput')",
+            // PostgreSQL 17 and later: a failover slot, which a standby configured for it
+            // (`sync_replication_slots`) keeps in step, so the stream survives a promotion.
+            let version: Number = diesel::sql_query(
+                "SELECT current_setting('server_version_num')::bigint AS n",
             )
+            .get_result(c)
+            .await?;
+            diesel::sql_query(if version.n >= 170_000 {
+                "SELECT 1 FROM pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput', failover => true)"
+            } else {
+                "SELECT 1 FROM pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput')"
+            })
             .bind::<Text, _>(&slot)
             .execute(c)
             .await?;
