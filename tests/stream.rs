@@ -228,7 +228,12 @@ fn a_relay_killed_mid_stream_with_writers_running_loses_nothing_and_keeps_each_k
 
 #[test]
 fn a_standby_relay_takes_the_slot_over_within_seconds_of_the_active_one_dying() {
-    let server = logical();
+    // A bounded slot: safe_wal_size is exported (it is absent when unlimited).
+    let server = OwnServer::start(&[
+        "wal_level=logical",
+        "max_wal_senders=10",
+        "max_slot_wal_keep_size=1GB",
+    ]);
     let db = server.migrated();
     setup(&db);
     let mut first = Relay::start(&db.url, "");
@@ -253,6 +258,34 @@ fn a_standby_relay_takes_the_slot_over_within_seconds_of_the_active_one_dying() 
     publish(&mut conn, "t", "k", 1);
     let published = db.scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint AS v");
     assert!(first.wait_lines(1, Duration::from_secs(20)));
+    // Every stream metric the chart's alerts and dashboard name is exported by a streaming relay
+    // (the slot's gauges once its sampler ran, the
+    // counters once a batch was delivered).
+    let rules = include_str!("../helm/postbox/templates/prometheusrule.yaml");
+    let dashboard = include_str!("../helm/postbox/files/grafana-dashboard.json");
+    let named: std::collections::BTreeSet<&str> = rules
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .chain(dashboard.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')))
+        .filter(|w| w.starts_with("postbox_stream_"))
+        .collect();
+    assert!(named.len() >= 5, "{named:?}");
+    let missing = || -> Vec<&str> {
+        let (_, scrape) = common::http_get(first.metrics_port, "/metrics").unwrap_or_default();
+        named
+            .iter()
+            .copied()
+            .filter(|name| {
+                !scrape
+                    .lines()
+                    .any(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+            })
+            .collect()
+    };
+    assert!(
+        wait(Duration::from_secs(20), || missing().is_empty()),
+        "not exported by a streaming relay: {:?}",
+        missing()
+    );
     // Killed once its position is confirmed past the message (before that, the standby would
     // deliver it again: a duplicate of what was in flight).
     assert!(wait(Duration::from_secs(20), || {
