@@ -177,16 +177,11 @@ fn a_relay_killed_mid_stream_with_writers_running_loses_nothing_and_keeps_each_k
             }
         })
     };
-    for _ in 0..3 {
-        let before = committed.lock().unwrap().len();
-        assert!(wait(Duration::from_secs(20), || committed
-            .lock()
-            .unwrap()
-            .len()
-            > before + 500));
-        relays.last_mut().unwrap().kill();
-        relays.push(Relay::start(&db.url, ""));
-    }
+    common::relay::kill_while_writing(
+        &mut relays,
+        || committed.lock().unwrap().len(),
+        || Relay::start(&db.url, ""),
+    );
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     writer.join().unwrap();
     let committed = committed.lock().unwrap().clone();

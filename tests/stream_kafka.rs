@@ -196,16 +196,11 @@ async fn a_relay_killed_mid_stream_loses_nothing_in_kafka_and_redelivers_with_th
             }
         })
     };
-    for _ in 0..3 {
-        let before = committed.lock().unwrap().len();
-        assert!(wait(Duration::from_secs(20), || committed
-            .lock()
-            .unwrap()
-            .len()
-            > before + 500));
-        relays.last_mut().unwrap().kill();
-        relays.push(kafka_relay(&db, &broker, ""));
-    }
+    common::relay::kill_while_writing(
+        &mut relays,
+        || committed.lock().unwrap().len(),
+        || kafka_relay(&db, &broker, ""),
+    );
     done.store(true, Ordering::Relaxed);
     writer.join().unwrap();
     let all: HashSet<i64> = committed.lock().unwrap().iter().copied().collect();

@@ -7,6 +7,21 @@ use std::time::{Duration, Instant};
 
 use super::{free_port, hermetic, http_get};
 
+/// Three times: once the writer committed 500 more messages (`committed` counts them), kills
+/// the newest relay with SIGKILL and starts another (`start`).
+pub fn kill_while_writing(
+    relays: &mut Vec<Relay>,
+    committed: impl Fn() -> usize,
+    start: impl Fn() -> Relay,
+) {
+    for _ in 0..3 {
+        let before = committed();
+        assert!(wait(Duration::from_secs(20), || committed() > before + 500));
+        relays.last_mut().unwrap().kill();
+        relays.push(start());
+    }
+}
+
 /// A relay process (`postbox run`) whose log sink's lines are collected.
 pub struct Relay {
     child: Child,
