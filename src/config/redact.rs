@@ -130,7 +130,7 @@ impl Settings {
                 status_interval: Some(s.status_interval),
                 batch_size: Some(s.batch_size),
                 takeover_interval: Some(s.takeover_interval),
-                heartbeat_interval: Some(s.heartbeat_interval),
+                liveness_interval: Some(s.liveness_interval),
             }),
             metrics: MetricsSection {
                 listen: Some(self.metrics_listen.to_string()),

@@ -26,11 +26,11 @@ pub struct StreamSection {
     /// How often a standby relay tries to take the slot over (default 1s).
     #[serde(default, with = "opt_duration")]
     pub takeover_interval: Option<Duration>,
-    /// After this long without a word from the server, a heartbeat is written into the WAL; when
-    /// it does not come back within as long again, the connection is presumed dead and replaced
+    /// After this long without a word from the server, the relay asks it whether its replication
+    /// session is still there; gone, the connection is presumed dead and opened again
     /// (default 10s).
     #[serde(default, with = "opt_duration")]
-    pub heartbeat_interval: Option<Duration>,
+    pub liveness_interval: Option<Duration>,
 }
 
 /// `[stream]` with every default filled in.
@@ -42,7 +42,7 @@ pub struct StreamSettings {
     pub status_interval: Duration,
     pub batch_size: usize,
     pub takeover_interval: Duration,
-    pub heartbeat_interval: Duration,
+    pub liveness_interval: Duration,
 }
 
 fn name(field: &'static str, value: &str) -> Result<(), ConfigError> {
@@ -78,9 +78,9 @@ impl StreamSection {
         if takeover_interval < Duration::from_millis(100) {
             return Err(err("stream.takeover_interval", "must be at least 100ms"));
         }
-        let heartbeat_interval = self.heartbeat_interval.unwrap_or(Duration::from_secs(10));
-        if heartbeat_interval < Duration::from_millis(500) {
-            return Err(err("stream.heartbeat_interval", "must be at least 500ms"));
+        let liveness_interval = self.liveness_interval.unwrap_or(Duration::from_secs(10));
+        if liveness_interval < Duration::from_millis(500) {
+            return Err(err("stream.liveness_interval", "must be at least 500ms"));
         }
         Ok(StreamSettings {
             slot,
@@ -89,7 +89,7 @@ impl StreamSection {
             status_interval,
             batch_size,
             takeover_interval,
-            heartbeat_interval,
+            liveness_interval,
         })
     }
 }

@@ -336,8 +336,8 @@ fn the_stream_section_fills_its_defaults_and_names_a_bad_field() {
             "stream.status_interval",
         ),
         (
-            "[stream]\nheartbeat_interval = \"100ms\"",
-            "stream.heartbeat_interval",
+            "[stream]\nliveness_interval = \"100ms\"",
+            "stream.liveness_interval",
         ),
         ("[stream]\nslots = \"x\"", "stream"),
     ] {

@@ -169,7 +169,7 @@ pub fn spawn(
             status_interval: s.status_interval,
             batch_size: s.batch_size,
             takeover_interval: s.takeover_interval,
-            heartbeat_interval: s.heartbeat_interval,
+            liveness_interval: s.liveness_interval,
             max_backoff: settings.engine.max_unavailable_backoff,
         },
         sinks,

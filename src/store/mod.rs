@@ -58,7 +58,7 @@ pub use self::{
     stats::{
         EXACT_LIMIT, SAMPLE_ROWS, SampleRow, StalledKey, Stats, TOPIC_EXACT_LIMIT, TopicStats,
     },
-    stream::{StreamSetup, StreamSlot, check_slot_name, stream_heartbeat},
+    stream::{StreamSetup, StreamSlot, check_slot_name, stream_session_alive},
 };
 
 #[cfg(feature = "engine")]

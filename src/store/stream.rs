@@ -290,15 +290,18 @@ impl Store {
     }
 }
 
-/// Writes a stream heartbeat (a non-transactional logical message of prefix `postbox-heartbeat`,
-/// which the streamer reads and skips) over a connection of its own, so that a pool connection
-/// stuck on the same dead link cannot hold it up.
-pub async fn stream_heartbeat(url: &str) -> Result<()> {
+/// Whether the server has a replication session named `application_name` (the streamer's own
+/// name for its session), asked over a connection of its own, so that a pool connection stuck on
+/// the same dead link cannot hold the answer up.
+pub async fn stream_session_alive(url: &str, application_name: &str) -> Result<bool> {
     let mut conn = super::connect::open(url).await?;
-    diesel::sql_query("SELECT pg_logical_emit_message(false, 'postbox-heartbeat', '')")
-        .execute(&mut conn)
-        .await?;
-    Ok(())
+    let there: Flag = diesel::sql_query(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_replication WHERE application_name = $1) AS flag",
+    )
+    .bind::<Text, _>(application_name)
+    .get_result(&mut conn)
+    .await?;
+    Ok(there.flag)
 }
 
 #[derive(QueryableByName)]

@@ -35,11 +35,12 @@ pub struct StreamConfig {
     pub takeover_interval: Duration,
     /// The longest back-off while a sink is away (default 30 s).
     pub max_backoff: Duration,
-    /// After this long without a word from the server (the server says nothing while nothing
-    /// is written), a heartbeat is written into the WAL over a connection of its own; when it
-    /// does not come back within as long again, the replication connection is presumed dead (a
-    /// link that went silent without a reset) and replaced (default 10 s).
-    pub heartbeat_interval: Duration,
+    /// After this long without a word from the server (it says nothing while nothing is
+    /// published), the relay asks it over a connection of its own whether this relay's
+    /// replication session is still there; when it is not (the server ended it: a link that went
+    /// silent without a reset, after `wal_sender_timeout`; or another relay took the slot), the
+    /// connection is presumed dead and opened again (default 10 s).
+    pub liveness_interval: Duration,
 }
 
 impl Default for StreamConfig {
@@ -52,7 +53,7 @@ impl Default for StreamConfig {
             batch_size: 5000,
             takeover_interval: Duration::from_secs(1),
             max_backoff: Duration::from_secs(30),
-            heartbeat_interval: Duration::from_secs(10),
+            liveness_interval: Duration::from_secs(10),
         }
     }
 }
@@ -205,7 +206,7 @@ impl Streamer {
                     continue;
                 }
             }
-            let cfg = super::connect::replication_config(
+            let mut cfg = super::connect::replication_config(
                 &self.url,
                 &self.config.slot,
                 &self.config.publication,
@@ -213,6 +214,10 @@ impl Streamer {
                 self.config.batch_size.max(64),
             )
             .map_err(StreamError::Unavailable)?;
+            // A name of this session's own, by which the server's view of it is found (see
+            // `liveness_interval`).
+            let session = format!("postbox-stream-{:016x}", fastrand::u64(..));
+            cfg.application_name = Some(session.clone());
             let mut client = match ReplicationClient::connect(cfg).await {
                 Ok(c) => c,
                 Err(e) => {
@@ -254,7 +259,9 @@ impl Streamer {
             pause = Duration::from_millis(250);
             tracing::info!(slot = %self.config.slot, "stream: streaming");
             self.observe(|o| o.stream_active(true));
-            let ended = self.session(&mut client, &stop, &mut report).await;
+            let ended = self
+                .session(&mut client, &session, &stop, &mut report)
+                .await;
             self.observe(|o| o.stream_active(false));
             match ended {
                 Ended::Stopped => {
@@ -284,13 +291,14 @@ impl Streamer {
     async fn session(
         &self,
         client: &mut ReplicationClient,
+        name: &str,
         stop: &CancellationToken,
         report: &mut StreamReport,
     ) -> Ended {
         // Cancelled when the replication session ends: a batch still being delivered then stops
         // (another relay may stream the slot by now).
         let lost = CancellationToken::new();
-        let ended = self.read(client, stop, report, &lost).await;
+        let ended = self.read(client, name, stop, report, &lost).await;
         lost.cancel();
         ended
     }
@@ -298,6 +306,7 @@ impl Streamer {
     async fn read(
         &self,
         client: &mut ReplicationClient,
+        name: &str,
         stop: &CancellationToken,
         report: &mut StreamReport,
         lost: &CancellationToken,
@@ -308,11 +317,10 @@ impl Streamer {
         let mut tx: Option<(u64, chrono::DateTime<chrono::Utc>, u32)> = None;
         // One batch is delivered while the next is read; its commit to confirm once it is done.
         let mut in_flight: Option<InFlight> = None;
-        // When the server was last heard from, and when a heartbeat was written since.
-        let heartbeat = self.config.heartbeat_interval;
-        let (mut heard, mut beat) = (tokio::time::Instant::now(), None);
+        // When the server was last heard from.
+        let liveness = self.config.liveness_interval;
+        let mut heard = tokio::time::Instant::now();
         loop {
-            let check_at = beat.unwrap_or(heard) + heartbeat;
             let event = tokio::select! {
                 // Stop first: a busy stream always has an event ready.
                 biased;
@@ -344,25 +352,30 @@ impl Streamer {
                     }
                     continue;
                 }
-                _ = tokio::time::sleep_until(check_at) => {
-                    if beat.is_some() {
-                        return Ended::Broken(format!(
-                            "no word from the server for {heartbeat:?} after a heartbeat was written: the replication connection is presumed dead"
-                        ));
-                    }
-                    match tokio::time::timeout(heartbeat, crate::store::stream_heartbeat(&self.url)).await {
-                        Ok(Ok(())) => beat = Some(tokio::time::Instant::now()),
-                        // The database is away too: the replication connection may be fine.
-                        Ok(Err(e)) => {
-                            tracing::debug!(error = %crate::config::redact_url(&e.to_string()), "stream: cannot write a heartbeat");
-                            heard = tokio::time::Instant::now();
+                // The server says nothing on an idle stream, nor while it decodes WAL that holds
+                // no message: silence alone proves nothing. Ask it, over a connection of its own,
+                // whether this session is still there (a link that went silent without a reset
+                // is ended on its side after `wal_sender_timeout`).
+                _ = tokio::time::sleep_until(heard + liveness) => {
+                    let there = tokio::select! {
+                        r = tokio::time::timeout(liveness, crate::store::stream_session_alive(&self.url, name)) => r,
+                        // Seen by the stop branch above.
+                        _ = stop.cancelled() => continue,
+                    };
+                    match there {
+                        Ok(Ok(false)) => {
+                            return Ended::Broken(format!(
+                                "the server has no replication session {name} any more (it ended it, or the link went silent): the connection is presumed dead"
+                            ));
                         }
-                        Err(_) => heard = tokio::time::Instant::now(),
+                        Ok(Err(e)) => tracing::debug!(error = %crate::config::redact_url(&e.to_string()), "stream: cannot ask the server about this session"),
+                        Ok(Ok(true)) | Err(_) => {}
                     }
+                    heard = tokio::time::Instant::now();
                     continue;
                 }
             };
-            (heard, beat) = (tokio::time::Instant::now(), None);
+            heard = tokio::time::Instant::now();
             let event = match event {
                 Ok(Some(e)) => e,
                 Ok(None) => return Ended::Broken("the replication stream ended".into()),

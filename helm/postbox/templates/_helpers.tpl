@@ -107,7 +107,7 @@ create_slot = {{ .createSlot }}
 status_interval = {{ .statusInterval | quote }}
 batch_size = {{ .batchSize | int }}
 takeover_interval = {{ .takeoverInterval | quote }}
-heartbeat_interval = {{ .heartbeatInterval | quote }}
+liveness_interval = {{ .livenessInterval | quote }}
 {{- end }}
 {{- end }}
 
