@@ -379,6 +379,25 @@ async fn dead_letter_commands_list_replay_and_purge() {
         )),
         1
     );
+    // --older-than selects for replay as for purge: one of the two left is two hours dead.
+    db.exec(
+        "UPDATE postbox.dead_letters SET dead_at = now() - interval '2 hours'
+         WHERE id = (SELECT min(id) FROM postbox.dead_letters)",
+    );
+    let out = postbox(&[
+        "--database-url",
+        &db.url,
+        "dead",
+        "replay",
+        "--older-than",
+        "1h",
+    ]);
+    assert_eq!(
+        (out.status.code(), text(&out.stdout).trim()),
+        (Some(0), "replayed 1"),
+        "{}",
+        text(&out.stderr)
+    );
     let out = postbox(&[
         "--database-url",
         &db.url,
@@ -389,7 +408,7 @@ async fn dead_letter_commands_list_replay_and_purge() {
     ]);
     assert_eq!(text(&out.stdout).trim(), "purged 0");
     let out = postbox(&["--database-url", &db.url, "dead", "purge", "--all"]);
-    assert_eq!(text(&out.stdout).trim(), "purged 2");
+    assert_eq!(text(&out.stdout).trim(), "purged 1");
     let out = postbox(&["--database-url", &db.url, "status"]);
     assert!(
         text(&out.stdout).contains("dead letters: 0"),

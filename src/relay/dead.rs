@@ -49,13 +49,7 @@ pub enum DeadCommand {
     /// Put dead letters back into the queue (same ids, attempts reset).
     Replay(Selector),
     /// Delete dead letters for good.
-    Purge {
-        #[command(flatten)]
-        selector: Selector,
-        /// Dead for longer than this (e.g. 7d).
-        #[arg(long, value_parser = super::cli::duration)]
-        older_than: Option<Duration>,
-    },
+    Purge(Selector),
 }
 
 #[derive(Args)]
@@ -66,6 +60,9 @@ pub struct Selector {
     /// Every dead letter of this topic.
     #[arg(long)]
     pub topic: Option<String>,
+    /// Dead for longer than this (e.g. 7d).
+    #[arg(long, value_parser = super::cli::duration)]
+    pub older_than: Option<Duration>,
     /// All of them.
     #[arg(long)]
     pub all: bool,
@@ -103,7 +100,7 @@ pub async fn run(settings: &Settings, command: DeadCommand) -> Result<()> {
             }
         }
         DeadCommand::Replay(s) => {
-            let selector = selector(s.ids, s.topic, None, s.all)?;
+            let selector = selector(s.ids, s.topic, s.older_than, s.all)?;
             let r = store()
                 .await?
                 .dead_replay(&selector)
@@ -118,11 +115,8 @@ pub async fn run(settings: &Settings, command: DeadCommand) -> Result<()> {
                 );
             }
         }
-        DeadCommand::Purge {
-            selector: s,
-            older_than,
-        } => {
-            let selector = selector(s.ids, s.topic, older_than, s.all)?;
+        DeadCommand::Purge(s) => {
+            let selector = selector(s.ids, s.topic, s.older_than, s.all)?;
             let n = store()
                 .await?
                 .dead_purge(&selector)
