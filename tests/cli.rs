@@ -172,6 +172,14 @@ fn bad_usage_exits_2() {
     let out = postbox(&["dead", "replay"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     assert!(text(&out.stderr).contains("--id"), "{}", text(&out.stderr));
+    // No message has id 0: said before any database is asked.
+    let out = postbox(&["show", "0"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("invalid id 0"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]

@@ -7,6 +7,11 @@ use crate::store::Shown;
 /// Prints the message (a table of fields, or `json`); a message found nowhere is an error (exit
 /// 1) that says why it may be missing.
 pub async fn run(settings: &Settings, id: i64, json: bool) -> Result<()> {
+    if id < 1 {
+        return Err(RelayError::Usage(format!(
+            "invalid id {id}: message ids start at 1"
+        )));
+    }
     let store = super::admin_store(settings).await?;
     let shown = store
         .show(id)
