@@ -29,6 +29,61 @@ pub fn is_reserved_header(name: &str) -> bool {
 
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 25;
 
+/// Headers named `ce_<attribute>` carry CloudEvents attributes (the Kafka binding's own naming):
+/// a route with `format = "cloudevents"` sends them as the event's extension attributes (and
+/// `ce_subject`, `ce_dataschema` as those optional attributes); other formats pass them on as they
+/// are.
+pub const CLOUDEVENTS_HEADER_PREFIX: &str = "ce_";
+
+/// Header holding a message's event type: Debezium's `eventType` header and CloudEvents' `type`.
+pub const EVENT_TYPE_HEADER: &str = "type";
+
+/// CloudEvents attributes the relay sets itself (`type` comes from the [`EVENT_TYPE_HEADER`]).
+const CLOUDEVENTS_RELAY_ATTRIBUTES: [&str; 8] = [
+    "specversion",
+    "id",
+    "source",
+    "time",
+    "type",
+    "datacontenttype",
+    "data",
+    "partitionkey",
+];
+
+/// For a header name: `Ok(None)` when it is no CloudEvents attribute (no `ce_` prefix),
+/// `Ok(Some(attribute))` for a valid one, `Err` (why) for a `ce_` header the binding cannot carry:
+/// attribute names are 1 to 20 lowercase letters or digits, and a few are the relay's own.
+pub fn cloudevents_attribute(header: &str) -> Result<Option<&str>, String> {
+    let prefix = CLOUDEVENTS_HEADER_PREFIX.len();
+    if header.len() < prefix || !header.as_bytes()[..prefix].eq_ignore_ascii_case(b"ce_") {
+        return Ok(None);
+    }
+    let name = &header[prefix..];
+    if name.is_empty()
+        || name.len() > 20
+        || !name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        || !header.starts_with(CLOUDEVENTS_HEADER_PREFIX)
+    {
+        return Err(format!(
+            "{header:?}: a header starting with \"ce_\" is a CloudEvents attribute, and its name \
+             must be \"ce_\" and 1 to 20 lowercase letters or digits"
+        ));
+    }
+    if CLOUDEVENTS_RELAY_ATTRIBUTES.contains(&name) {
+        let hint = if name == "type" {
+            format!(" (give the event type as header {EVENT_TYPE_HEADER:?})")
+        } else {
+            String::new()
+        };
+        return Err(format!(
+            "{header:?}: the CloudEvents attribute {name:?} is set by the relay{hint}"
+        ));
+    }
+    Ok(Some(name))
+}
+
 /// Identifier of a message: its `postbox.messages.id`, also its position in the queue.
 pub type MessageId = i64;
 
@@ -249,6 +304,14 @@ impl Message {
                 "{name:?}: names starting with {RESERVED_HEADER_PREFIX:?} are the relay's own (postbox-id, postbox-topic, postbox-created-at)"
             )));
         }
+        if let Ok(headers) = &self.headers
+            && let Some(Err(e)) = headers
+                .keys()
+                .map(|k| cloudevents_attribute(k))
+                .find(Result::is_err)
+        {
+            return Err(InvalidMessage::BadHeaders(e));
+        }
         match &self.payload {
             Err(e) => Err(InvalidMessage::PayloadNotJson(e.clone())),
             Ok(value) => {
@@ -333,6 +396,39 @@ mod tests {
                 .validate()
                 .is_ok()
         );
+        for name in [
+            "ce_Region",
+            "CE_region",
+            "ce_",
+            "ce_a-b",
+            "ce_id",
+            "ce_type",
+            "ce_specversion",
+        ] {
+            let e = Message::new("t").header(name, "1").validate().unwrap_err();
+            assert!(
+                matches!(&e, InvalidMessage::BadHeaders(m) if m.contains(name)),
+                "{e}"
+            );
+        }
+        let e = Message::new("t")
+            .header("ce_type", "x")
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("header \"type\""), "{e}");
+        for name in [
+            "ce_region",
+            "ce_subject",
+            "ce_dataschema",
+            "ce_traceparent",
+            "cex",
+            "type",
+        ] {
+            assert!(
+                Message::new("t").header(name, "1").validate().is_ok(),
+                "{name}"
+            );
+        }
         let big = "x".repeat(MAX_PAYLOAD_BYTES);
         assert!(matches!(
             Message::new("t").payload(&big).validate(),

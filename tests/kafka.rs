@@ -15,6 +15,7 @@ use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use postbox::engine::{Engine, EngineConfig, RunReport};
 use postbox::sink::kafka::{KafkaSink, producer};
+use postbox::sink::record::{RecordLayout, TopicTemplate};
 use postbox::sink::{Outcome, Sink, Unavailable};
 use postbox::{Backoff, ClaimedMessage, Message, Topics};
 use rdkafka::ClientConfig;
@@ -159,7 +160,10 @@ async fn every_message_reaches_kafka_with_headers_and_ordered_keys_in_order_acro
             let sink = FirstAttemptFails(KafkaSink::new(
                 p,
                 Topics::only(["orders.*"]),
-                Some("orders".into()),
+                RecordLayout {
+                    topic: TopicTemplate::parse("orders").unwrap(),
+                    ..RecordLayout::default()
+                },
             ));
             Engine::builder(&url)
                 .sink(sink)
@@ -241,7 +245,7 @@ async fn a_message_that_can_never_be_delivered_is_dead_lettered_with_the_reason(
     )
     .unwrap();
     let engine = Engine::builder(&db.url)
-        .sink(KafkaSink::new(p, Topics::all(), None))
+        .sink(KafkaSink::new(p, Topics::all(), RecordLayout::default()))
         .config(config())
         .build()
         .await
@@ -277,18 +281,27 @@ async fn a_route_misconfigured_for_kafka_pauses_instead_of_dead_lettering_the_st
     let route = |kafka_topic: Option<&str>| {
         let p = producer(
             &broker.brokers(),
-            &properties(&[("message.timeout.ms", "2000")]),
+            &properties(&[
+                ("message.timeout.ms", "2000"),
+                ("allow.auto.create.topics", "false"),
+            ]),
         )
         .unwrap();
-        KafkaSink::new(p, Topics::all(), kafka_topic.map(str::to_owned))
+        let layout = RecordLayout {
+            topic: kafka_topic
+                .map_or_else(TopicTemplate::default, |t| TopicTemplate::parse(t).unwrap()),
+            ..RecordLayout::default()
+        };
+        KafkaSink::new(p, Topics::all(), layout)
     };
     let msgs: Vec<Message> = (0..5)
         .map(|i| Message::new("events").payload(&i).max_attempts(1))
         .collect();
     postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
-    // A typo in the route's kafka_topic (a name Kafka refuses): every message would fail alike.
+    // A typo in the route's kafka_topic (a topic Kafka does not have): every message would fail
+    // alike. (A name Kafka could never take is refused with the configuration.)
     let engine = Engine::builder(&db.url)
-        .sink(route(Some("events typo!")))
+        .sink(route(Some("events-typo")))
         .config(EngineConfig {
             max_unavailable_backoff: Duration::from_millis(500),
             ..config()
@@ -351,7 +364,7 @@ async fn a_broker_outage_hands_batches_back_without_using_attempts_then_delivers
     )
     .unwrap();
     let engine = Engine::builder(&db.url)
-        .sink(KafkaSink::new(p, Topics::all(), None))
+        .sink(KafkaSink::new(p, Topics::all(), RecordLayout::default()))
         .config(EngineConfig {
             max_unavailable_backoff: Duration::from_millis(500),
             ..config()
@@ -435,7 +448,7 @@ async fn chaos_a_broker_outage_with_a_writer_running_loses_nothing() {
     )
     .unwrap();
     let engine = Engine::builder(&db.url)
-        .sink(KafkaSink::new(p, Topics::all(), None))
+        .sink(KafkaSink::new(p, Topics::all(), RecordLayout::default()))
         .config(EngineConfig {
             max_unavailable_backoff: Duration::from_millis(500),
             ..config()
@@ -604,7 +617,7 @@ async fn a_topic_kafka_refuses_is_held_back_while_the_rest_of_its_route_flows_an
         .collect();
     postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
     let engine = Engine::builder(&db.url)
-        .sink(KafkaSink::new(p, Topics::all(), None))
+        .sink(KafkaSink::new(p, Topics::all(), RecordLayout::default()))
         .config(EngineConfig {
             max_unavailable_backoff: Duration::from_secs(1),
             ..config()
@@ -665,7 +678,11 @@ async fn drain_through(
     done: impl Fn(&RunReport) -> bool,
 ) -> RunReport {
     let engine = Engine::builder(&db.url)
-        .sink(KafkaSink::new(producer, Topics::all(), None))
+        .sink(KafkaSink::new(
+            producer,
+            Topics::all(),
+            RecordLayout::default(),
+        ))
         .config(config())
         .build()
         .await

@@ -466,7 +466,11 @@ pub(crate) async fn kafka_relay(
     producer: &Arc<postbox::sink::kafka::SharedProducer>,
     claimers: Option<usize>,
 ) -> f64 {
-    let sink = postbox::sink::kafka::KafkaSink::new(producer.clone(), postbox::Topics::all(), None);
+    let sink = postbox::sink::kafka::KafkaSink::new(
+        producer.clone(),
+        postbox::Topics::all(),
+        Default::default(),
+    );
     let engine = Engine::builder(url)
         .sink(sink)
         .config(EngineConfig {

@@ -341,7 +341,7 @@ pub async fn run(url: &str, kafka: Option<&str>, n: usize) {
         Arc::new(postbox::sink::kafka::KafkaSink::new(
             producer.clone(),
             Topics::all(),
-            None,
+            Default::default(),
         ))
     };
     // Warm the producer up (its first delivery waits for a producer id).

@@ -13,11 +13,13 @@ use crate::engine::config as defaults;
 mod durations;
 mod jobs;
 mod redact;
+mod route;
 mod stream;
 pub use durations::parse_duration;
 use durations::{duration_map, opt_bytes, opt_duration};
 pub use jobs::{LimitSection, RetentionSection, ScheduleSection};
 pub use redact::{is_secret, redact_url, redact_values};
+pub use route::{FORMAT_NAMES, Route};
 pub use stream::{StreamSection, StreamSettings};
 
 /// The database a relay uses when none is configured.
@@ -132,18 +134,6 @@ pub struct KafkaSink {
     /// Any librdkafka producer property (SASL, TLS, compression, ...).
     #[serde(default)]
     pub properties: BTreeMap<String, String>,
-}
-
-/// `[[routes]]`.
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct Route {
-    /// Exact names or globs (`orders.*`, `*`).
-    pub topics: Vec<String>,
-    /// `kafka` or `log`.
-    pub sink: String,
-    /// Kafka topic to send to instead of the postbox topic.
-    pub kafka_topic: Option<String>,
 }
 
 /// The sinks a route may name.
@@ -379,7 +369,7 @@ impl Config {
             routes.push(Route {
                 topics: vec!["*".into()],
                 sink: "log".into(),
-                kafka_topic: None,
+                ..Route::default()
             });
         }
         for (i, route) in routes.iter().enumerate() {
@@ -397,12 +387,14 @@ impl Config {
                         "routes to kafka but [sinks.kafka] is not configured",
                     ));
                 }
-                "kafka" => {}
-                "log" if route.kafka_topic.is_some() => {
-                    return Err(err(
-                        at("kafka_topic"),
-                        "only a kafka route can rename its topic",
-                    ));
+                "kafka" => {
+                    route
+                        .layout()
+                        .map_err(|(field, problem)| err(at(field), problem))?;
+                }
+                "log" if route.has_kafka_settings().is_some() => {
+                    let field = route.has_kafka_settings().expect("checked");
+                    return Err(err(at(field), "applies to a kafka route only"));
                 }
                 "log" => {}
                 other => {

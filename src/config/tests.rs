@@ -357,3 +357,86 @@ fn the_stream_section_fills_its_defaults_and_names_a_bad_field() {
         .unwrap();
     assert_eq!(again.stream, settings.stream);
 }
+
+#[test]
+fn kafka_routes_take_a_format_and_a_topic_template_and_name_what_is_wrong() {
+    let kafka = "[sinks.kafka]\nbrokers = \"b:9092\"\n";
+    let route = |fields: &str| {
+        format!(
+            "{kafka}[[routes]]\ntopics = [\"shop.order\", \"shop.*\"]\nsink = \"kafka\"\n{fields}\n"
+        )
+    };
+    let resolve =
+        |toml: &str| Config::from_toml(toml).and_then(|c| c.resolve(Overrides::default()));
+    let ok = |fields: &str| {
+        resolve(&route(fields))
+            .unwrap_or_else(|e| panic!("{fields}: {e}"))
+            .routes[0]
+            .layout()
+            .unwrap()
+    };
+    assert_eq!(ok(""), crate::sink::record::RecordLayout::default());
+    let d = ok(
+        "format = \"debezium\"\nexpand_payload = true\ntombstone_on_empty = true\nkafka_topic = \"outbox.event.{topic[-1]}\"",
+    );
+    assert_eq!(
+        d.format,
+        crate::sink::record::Format::Debezium {
+            expand_payload: true,
+            tombstone_on_empty: true
+        }
+    );
+    assert_eq!(
+        ok("format = \"cloudevents\"\nsource = \"/shop\"\ncontent_mode = \"structured\"").format,
+        crate::sink::record::Format::CloudEvents {
+            source: "/shop".into(),
+            structured: true
+        }
+    );
+    ok("kafka_topic = \"{topic[0]}.{header:region}\"");
+    for (fields, field, why) in [
+        ("format = \"avro\"", "format", "unknown format \"avro\""),
+        ("expand_payload = true", "expand_payload", "debezium"),
+        (
+            "format = \"cloudevents\"",
+            "source",
+            "needs the events' source",
+        ),
+        (
+            "format = \"cloudevents\"\nsource = \"my source\"",
+            "source",
+            "URI-reference",
+        ),
+        (
+            "format = \"cloudevents\"\nsource = \"/s\"\ncontent_mode = \"batch\"",
+            "content_mode",
+            "batch",
+        ),
+        (
+            "format = \"cloudevents\"\nsource = \"/s\"\ntombstone_on_empty = true",
+            "tombstone_on_empty",
+            "tombstones",
+        ),
+        ("source = \"/s\"", "source", "cloudevents"),
+        ("kafka_topic = \"outbox/{topic}\"", "kafka_topic", "'/'"),
+        (
+            "kafka_topic = \"outbox.{aggregate}\"",
+            "kafka_topic",
+            "unknown placeholder",
+        ),
+        // shop.order has no segment 2: known from the exact name, before any message.
+        (
+            "kafka_topic = \"x.{topic[2]}\"",
+            "kafka_topic",
+            "no segment [2]",
+        ),
+    ] {
+        let e = resolve(&route(fields)).unwrap_err();
+        assert_eq!(e.field, format!("routes[0].{field}"), "{fields}: {e}");
+        assert!(e.problem.contains(why), "{fields}: {e}");
+    }
+    let log = "[[routes]]\ntopics = [\"*\"]\nsink = \"log\"\nformat = \"debezium\"\n";
+    let e = resolve(log).unwrap_err();
+    assert_eq!(e.field, "routes[0].format", "{e}");
+    assert!(e.problem.contains("kafka route only"), "{e}");
+}

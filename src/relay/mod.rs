@@ -204,10 +204,10 @@ pub fn build_sinks(settings: &Settings) -> Result<Vec<Arc<dyn Sink>>> {
                     );
                 }
                 let p = producer.clone().expect("created above");
-                Arc::new(
-                    crate::sink::kafka::KafkaSink::new(p, topics, r.kafka_topic.clone())
-                        .named(name),
-                )
+                let layout = r
+                    .layout()
+                    .map_err(|(field, e)| RelayError::Usage(format!("routes[{i}].{field}: {e}")))?;
+                Arc::new(crate::sink::kafka::KafkaSink::new(p, topics, layout).named(name))
             }
             #[cfg(not(feature = "kafka"))]
             "kafka" => {

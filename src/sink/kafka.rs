@@ -1,8 +1,8 @@
 //! The Kafka sink: a whole batch is handed to librdkafka, its delivery reports awaited, and each
 //! message's outcome classified.
 //!
-//! Message key = postbox key; value = the payload's JSON; headers = the postbox headers plus
-//! `postbox-id`, `postbox-topic` and `postbox-created-at`. Producer defaults: idempotence on,
+//! Each route's [`RecordLayout`] makes the records (topic template and format: postbox's own,
+//! Debezium's outbox event router's, or CloudEvents; see [`super::record`]). Producer defaults: idempotence on,
 //! `acks=all`, `message.timeout.ms=10000` (an outage is noticed in seconds, well inside the lease),
 //! the Java client's `murmur2_random` partitioner;
 //! every librdkafka property can be set from the configuration.
@@ -24,6 +24,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use super::kafka_context::QuietContext;
+use super::record::{Record, RecordLayout};
 use super::{Outcome, Sink, Unavailable};
 
 /// The producer type: librdkafka's reports go through [`QuietContext`].
@@ -133,19 +134,20 @@ pub fn producer(
 pub struct KafkaSink {
     producer: Arc<SharedProducer>,
     topics: Topics,
-    /// Send to this Kafka topic instead of the postbox topic.
-    rename: Option<String>,
+    /// The Kafka topic and the record of each message.
+    layout: RecordLayout,
     /// The name in metrics and health (`kafka`, or `kafka[N]` when several routes use Kafka).
     name: String,
 }
 
 impl KafkaSink {
-    /// A sink for `topics` over `producer`, optionally renaming the Kafka topic.
-    pub fn new(producer: Arc<SharedProducer>, topics: Topics, rename: Option<String>) -> Self {
+    /// A sink for `topics` over `producer`, making records as `layout` says
+    /// (`RecordLayout::default()`: postbox's format, to the message's own topic).
+    pub fn new(producer: Arc<SharedProducer>, topics: Topics, layout: RecordLayout) -> Self {
         KafkaSink {
             producer,
             topics,
-            rename,
+            layout,
             name: "kafka".to_owned(),
         }
     }
@@ -216,37 +218,23 @@ fn classify(e: &KafkaError, renamed: bool) -> Failure {
     }
 }
 
-fn topic_of(batch: &[ClaimedMessage], i: usize) -> String {
-    batch.get(i).map(|m| m.topic.clone()).unwrap_or_default()
+fn owned_headers(r: &Record) -> OwnedHeaders {
+    r.headers.iter().fold(
+        OwnedHeaders::new_with_capacity(r.headers.len()),
+        |h, (k, v)| {
+            h.insert(Header {
+                key: k,
+                value: Some(v.as_bytes()),
+            })
+        },
+    )
 }
 
-fn headers(m: &ClaimedMessage) -> OwnedHeaders {
-    let id = m.stream_id.clone().unwrap_or_else(|| m.id.to_string());
-    let created = m.created_at.to_rfc3339();
-    let mut h = OwnedHeaders::new_with_capacity(m.headers.len() + 3);
-    // The relay's own names win over any that came in by plain SQL (enqueue refuses them).
-    for (k, v) in m
-        .headers
-        .iter()
-        .filter(|(k, _)| !crate::message::is_reserved_header(k))
-    {
-        h = h.insert(Header {
-            key: k,
-            value: Some(v.as_bytes()),
-        });
-    }
-    h.insert(Header {
-        key: "postbox-id",
-        value: Some(id.as_bytes()),
-    })
-    .insert(Header {
-        key: "postbox-topic",
-        value: Some(m.topic.as_bytes()),
-    })
-    .insert(Header {
-        key: "postbox-created-at",
-        value: Some(created.as_bytes()),
-    })
+/// One message's fate in a batch: sent (with librdkafka's report) or refused before sending.
+enum Report {
+    Sent(Result<(), KafkaError>),
+    /// No record can be made of it: the reason.
+    Refused(String),
 }
 
 impl Sink for KafkaSink {
@@ -270,81 +258,90 @@ impl Sink for KafkaSink {
             let producer = self.producer.get()?;
             // Hand the whole batch to librdkafka first, then await every report together.
             let mut pending = Vec::with_capacity(batch.len());
+            let mut topics = Vec::with_capacity(batch.len());
             for m in &batch {
-                let payload = serde_json::to_vec(&m.payload).expect("a JSON value serializes");
-                let topic = self.rename.as_deref().unwrap_or(&m.topic);
-                let mut record = FutureRecord::to(topic)
-                    .payload(&payload)
-                    .headers(headers(m));
-                if let Some(k) = &m.key {
+                let r = match self.layout.record(m) {
+                    Ok(r) => r,
+                    Err(reason) => {
+                        pending.push(Err(reason));
+                        topics.push(String::new());
+                        continue;
+                    }
+                };
+                let mut record = FutureRecord::to(&r.topic).headers(owned_headers(&r));
+                if let Some(v) = &r.value {
+                    record = record.payload(v);
+                }
+                if let Some(k) = &r.key {
                     record = record.key(k.as_str());
                 }
-                let mut record = record;
+                if let Some(ts) = r.timestamp_ms {
+                    record = record.timestamp(ts);
+                }
                 let future = loop {
                     match producer.send_result(record) {
                         Ok(f) => break Ok(f),
                         // The local queue is full: let librdkafka send, then try again.
-                        Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
-                            record = r;
+                        Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                            record = back;
                             tokio::time::sleep(Duration::from_millis(5)).await;
                         }
                         Err((e, _)) => break Err(e),
                     }
                 };
-                pending.push(future);
+                pending.push(Ok(future));
+                topics.push(r.topic.clone());
             }
             let reports = join_all(pending.into_iter().map(|f| async move {
                 match f {
-                    Ok(delivery) => match delivery.await {
+                    Err(reason) => Report::Refused(reason),
+                    Ok(Ok(delivery)) => Report::Sent(match delivery.await {
                         Ok(Ok(_)) => Ok(()),
                         Ok(Err((e, _))) => Err(e),
                         Err(_) => Err(KafkaError::Canceled),
-                    },
-                    Err(e) => Err(e),
+                    }),
+                    Ok(Err(e)) => Report::Sent(Err(e)),
                 }
             }))
             .await;
-            if reports
-                .iter()
-                .any(|r| r.as_ref().is_err_and(producer_state_lost))
-            {
+            let sent_errors = || {
+                reports.iter().filter_map(|r| match r {
+                    Report::Sent(Err(e)) => Some(e),
+                    _ => None,
+                })
+            };
+            if sent_errors().any(producer_state_lost) {
                 self.producer.replace(&producer);
             }
-            let renamed = self.rename.is_some();
-            let failures: Vec<Failure> = reports
+            // One Kafka topic for the whole route: what Kafka says of it, it says of the route.
+            let renamed = self.layout.topic.constant().is_some();
+            let sent = reports
                 .iter()
-                .filter_map(|r| r.as_ref().err().map(|e| classify(e, renamed)))
-                .collect();
+                .filter(|r| matches!(r, Report::Sent(_)))
+                .count();
+            let failures: Vec<Failure> = sent_errors().map(|e| classify(e, renamed)).collect();
+            let all_sent_failed_with =
+                |f: Failure| sent > 0 && failures.len() == sent && failures.iter().all(|x| *x == f);
             // A route that names its Kafka topic, refused on all of it: the route is down.
-            if renamed
-                && !failures.is_empty()
-                && failures.len() == reports.len()
-                && failures.iter().all(|f| *f == Failure::Route)
-            {
-                let e = reports
-                    .iter()
-                    .find_map(|r| r.as_ref().err())
-                    .expect("at least one failure");
+            if renamed && all_sent_failed_with(Failure::Route) {
+                let e = sent_errors().next().expect("at least one failure");
                 return Err(Unavailable::new(format!(
                     "kafka: the route cannot deliver to its topic: {e}"
                 )));
             }
-            if !failures.is_empty()
-                && failures.len() == reports.len()
-                && failures.iter().all(|f| *f == Failure::Outage)
-            {
-                let e = reports
-                    .iter()
-                    .find_map(|r| r.as_ref().err())
-                    .expect("at least one failure");
+            if all_sent_failed_with(Failure::Outage) {
+                let e = sent_errors().next().expect("at least one failure");
                 return Err(Unavailable::new(format!("kafka: {e}")));
             }
             Ok(reports
                 .into_iter()
-                .enumerate()
-                .map(|(i, r)| match r {
-                    Ok(()) => Outcome::Delivered,
-                    Err(e) => match classify(&e, renamed) {
+                .zip(topics)
+                .map(|(r, topic)| match r {
+                    Report::Refused(reason) => Outcome::Dead {
+                        reason: format!("kafka: {reason}"),
+                    },
+                    Report::Sent(Ok(())) => Outcome::Delivered,
+                    Report::Sent(Err(e)) => match classify(&e, renamed) {
                         Failure::Permanent => Outcome::Dead {
                             reason: format!("kafka: {e}"),
                         },
@@ -356,10 +353,7 @@ impl Sink for KafkaSink {
                         // Kafka refuses this message's topic (missing, not authorized): what
                         // Kafka stored stays delivered, this topic is held back, the rest flows.
                         Failure::Route => Outcome::TopicUnavailable {
-                            reason: format!(
-                                "kafka: topic {}: {e}",
-                                self.rename.as_deref().unwrap_or(&topic_of(&batch, i))
-                            ),
+                            reason: format!("kafka: topic {topic}: {e}"),
                         },
                         Failure::Transient => Outcome::Retry {
                             reason: format!("kafka: {e}"),
@@ -403,7 +397,7 @@ mod tests {
             undecodable: None,
             stream_id: None,
         };
-        let h = headers(&m);
+        let h = owned_headers(&RecordLayout::default().record(&m).unwrap());
         let all: Vec<(String, String)> = h
             .iter()
             .map(|h| {

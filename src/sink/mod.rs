@@ -6,6 +6,7 @@ pub mod kafka;
 #[cfg(feature = "kafka")]
 mod kafka_context;
 pub mod log;
+pub mod record;
 
 use std::time::Duration;
 
