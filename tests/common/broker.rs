@@ -90,15 +90,21 @@ impl Broker {
     }
 
     pub async fn create_topic(&self, name: &str, partitions: i32) {
+        self.create_topic_with(name, partitions, &[]).await
+    }
+
+    /// Creates `name` with topic configuration `config` (`cleanup.policy` = `compact`, ...).
+    pub async fn create_topic_with(&self, name: &str, partitions: i32, config: &[(&str, &str)]) {
+        let mut topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
+        for (k, v) in config {
+            topic = topic.set(k, v);
+        }
         let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
             .set("bootstrap.servers", self.brokers())
             .create()
             .unwrap();
         let r = admin
-            .create_topics(
-                &[NewTopic::new(name, partitions, TopicReplication::Fixed(1))],
-                &AdminOptions::new(),
-            )
+            .create_topics(&[topic], &AdminOptions::new())
             .await
             .unwrap();
         for t in r {
