@@ -136,6 +136,21 @@ sink = {{ .sink | quote }}
 {{- with .kafkaTopic }}
 kafka_topic = {{ . | quote }}
 {{- end }}
+{{- with .format }}
+format = {{ . | quote }}
+{{- end }}
+{{- if hasKey . "expandPayload" }}
+expand_payload = {{ .expandPayload }}
+{{- end }}
+{{- if hasKey . "tombstoneOnEmpty" }}
+tombstone_on_empty = {{ .tombstoneOnEmpty }}
+{{- end }}
+{{- with .source }}
+source = {{ . | quote }}
+{{- end }}
+{{- with .contentMode }}
+content_mode = {{ . | quote }}
+{{- end }}
 {{- end }}
 {{- range .Values.config.schedules }}
 
