@@ -466,11 +466,18 @@ pub(crate) async fn kafka_relay(
     producer: &Arc<postbox::sink::kafka::SharedProducer>,
     claimers: Option<usize>,
 ) -> f64 {
-    let sink = postbox::sink::kafka::KafkaSink::new(
-        producer.clone(),
-        postbox::Topics::all(),
-        Default::default(),
-    );
+    kafka_relay_as(url, producer, claimers, Default::default()).await
+}
+
+/// [`kafka_relay`] with the records made as `layout` says (a format, a topic template).
+async fn kafka_relay_as(
+    url: &str,
+    producer: &Arc<postbox::sink::kafka::SharedProducer>,
+    claimers: Option<usize>,
+    layout: postbox::sink::record::RecordLayout,
+) -> f64 {
+    let sink =
+        postbox::sink::kafka::KafkaSink::new(producer.clone(), postbox::Topics::all(), layout);
     let engine = Engine::builder(url)
         .sink(sink)
         .config(EngineConfig {
@@ -531,6 +538,71 @@ async fn kafka_bench(url: &str, brokers: &str, n: usize, claimers: Option<usize>
     );
     println!("kafka_msgs_per_s={:.0}", median(&kafka));
     println!("kafka_vs_drain={:.2}", median(&kafka) / median(&embedded));
+    kafka_formats(url, &producer, n, claimers).await;
+}
+
+/// Each record format against postbox's own on the same messages, in rotating order, 3 rounds.
+async fn kafka_formats(
+    url: &str,
+    producer: &Arc<postbox::sink::kafka::SharedProducer>,
+    n: usize,
+    claimers: Option<usize>,
+) {
+    use postbox::sink::record::{Format, RecordLayout};
+    let formats: [(&str, Format); 5] = [
+        ("postbox", Format::default()),
+        (
+            "debezium",
+            Format::Debezium {
+                expand_payload: false,
+                tombstone_on_empty: false,
+            },
+        ),
+        (
+            "debezium_expanded",
+            Format::Debezium {
+                expand_payload: true,
+                tombstone_on_empty: false,
+            },
+        ),
+        (
+            "cloudevents_binary",
+            Format::CloudEvents {
+                source: "/bench".into(),
+                structured: false,
+            },
+        ),
+        (
+            "cloudevents_structured",
+            Format::CloudEvents {
+                source: "/bench".into(),
+                structured: true,
+            },
+        ),
+    ];
+    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); formats.len()];
+    for round in 0..3 {
+        for i in 0..formats.len() {
+            let f = (i + round) % formats.len();
+            reset(url);
+            fill_events(url, n).await;
+            let layout = RecordLayout {
+                format: formats[f].1.clone(),
+                ..RecordLayout::default()
+            };
+            runs[f].push(kafka_relay_as(url, producer, claimers, layout).await);
+        }
+    }
+    let postbox = median(&runs[0]);
+    for (i, (name, _)) in formats.iter().enumerate() {
+        println!("kafka format {name}: {:.0?} msg/s", runs[i]);
+    }
+    for (i, (name, _)) in formats.iter().enumerate().skip(1) {
+        println!(
+            "kafka_format_{name}_vs_postbox={:.2}",
+            median(&runs[i]) / postbox
+        );
+    }
 }
 
 async fn count_notifications(url: &str, count: Arc<AtomicU64>) -> tokio::task::JoinHandle<()> {

@@ -19,6 +19,8 @@
 //! gives is no valid Kafka topic name, a `ce_` header the binding cannot carry) is refused with the
 //! reason: the sink dead-letters it.
 
+use std::borrow::Cow;
+
 use chrono::SecondsFormat;
 use serde_json::Value;
 
@@ -242,6 +244,9 @@ fn placeholder(inner: &str) -> Result<Part, String> {
     ))
 }
 
+/// A header name: the relay's own are static, a message's are its own.
+pub type HeaderName = Cow<'static, str>;
+
 /// One Kafka record, ready to send.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Record {
@@ -249,7 +254,7 @@ pub struct Record {
     pub key: Option<String>,
     /// `None`: a tombstone.
     pub value: Option<Vec<u8>>,
-    pub headers: Vec<(String, String)>,
+    pub headers: Vec<(HeaderName, String)>,
     /// Milliseconds since the epoch; `None`: the producer's clock.
     pub timestamp_ms: Option<i64>,
 }
@@ -274,22 +279,30 @@ fn json(value: &Value) -> Vec<u8> {
 fn passed_on<'a>(
     m: &'a ClaimedMessage,
     skip: &'a [&'a str],
-) -> impl Iterator<Item = (String, String)> + 'a {
+) -> impl Iterator<Item = (HeaderName, String)> + 'a {
     m.headers
         .iter()
         .filter(move |(k, _)| {
             !crate::message::is_reserved_header(k)
                 && !skip.iter().any(|s| k.eq_ignore_ascii_case(s))
         })
-        .map(|(k, v)| (k.clone(), v.clone()))
+        .map(|(k, v)| (Cow::Owned(k.clone()), v.clone()))
 }
+
+/// The CloudEvents attributes the relay sets, with their binary-mode header names.
+const CE_REQUIRED: [(&str, &str); 5] = [
+    ("specversion", "ce_specversion"),
+    ("id", "ce_id"),
+    ("source", "ce_source"),
+    ("type", "ce_type"),
+    ("time", "ce_time"),
+];
 
 impl RecordLayout {
     /// The record for `m`, or why it cannot have one (the message goes to the dead letters).
     pub fn record(&self, m: &ClaimedMessage) -> Result<Record, String> {
         let topic = self.topic.render_for(&m.topic, &m.headers)?;
         let id = m.stream_id.clone().unwrap_or_else(|| m.id.to_string());
-        let created = m.created_at.to_rfc3339_opts(SecondsFormat::Micros, true);
         let mut record = Record {
             topic,
             key: m.key.clone(),
@@ -302,11 +315,12 @@ impl RecordLayout {
                 if !(*tombstone_on_empty && empty(&m.payload)) {
                     record.value = Some(json(&m.payload));
                 }
-                record.headers = passed_on(m, &[]).collect();
+                record.headers = Vec::with_capacity(m.headers.len() + 3);
+                record.headers.extend(passed_on(m, &[]));
                 record.headers.extend([
-                    ("postbox-id".to_owned(), id),
-                    ("postbox-topic".to_owned(), m.topic.clone()),
-                    ("postbox-created-at".to_owned(), m.created_at.to_rfc3339()),
+                    ("postbox-id".into(), id),
+                    ("postbox-topic".into(), m.topic.clone()),
+                    ("postbox-created-at".into(), m.created_at.to_rfc3339()),
                 ]);
             }
             Format::Debezium {
@@ -323,45 +337,43 @@ impl RecordLayout {
                     });
                 }
                 record.timestamp_ms = Some(m.created_at.timestamp_millis());
-                record.headers.push(("id".to_owned(), id));
+                record.headers = Vec::with_capacity(m.headers.len() + 1);
+                record.headers.push(("id".into(), id));
                 if let Some(t) = m.headers.get(EVENT_TYPE_HEADER) {
-                    record.headers.push(("eventType".to_owned(), t.clone()));
+                    record.headers.push(("eventType".into(), t.clone()));
                 }
                 record
                     .headers
                     .extend(passed_on(m, &["id", "eventType", EVENT_TYPE_HEADER]));
             }
             Format::CloudEvents { source, structured } => {
-                let mut attributes: Vec<(String, String)> = vec![
-                    ("specversion".into(), "1.0".into()),
-                    ("id".into(), id),
-                    ("source".into(), source.clone()),
-                    (
-                        "type".into(),
-                        m.headers
-                            .get(EVENT_TYPE_HEADER)
-                            .cloned()
-                            .unwrap_or_else(|| m.topic.clone()),
-                    ),
-                    ("time".into(), created),
-                ];
-                let mut subject = m.key.clone();
+                let event_type = m
+                    .headers
+                    .get(EVENT_TYPE_HEADER)
+                    .map_or(m.topic.as_str(), String::as_str);
+                let time = m.created_at.to_rfc3339_opts(SecondsFormat::Micros, true);
+                let mut subject = m.key.as_deref();
+                let mut extensions: Vec<(&str, &str)> = Vec::new();
                 for (k, v) in &m.headers {
                     match cloudevents_attribute(k)? {
-                        Some("subject") => subject = Some(v.clone()),
-                        Some(name) => attributes.push((name.to_owned(), v.clone())),
+                        Some("subject") => subject = Some(v),
+                        Some(name) => extensions.push((name, v)),
                         None => {}
                     }
                 }
-                if let Some(s) = subject {
-                    attributes.push(("subject".into(), s));
-                }
+                let required = ["1.0", id.as_str(), source, event_type, time.as_str()];
                 let others = passed_on(m, &[EVENT_TYPE_HEADER, "content-type"])
                     .filter(|(k, _)| !k.starts_with(CLOUDEVENTS_HEADER_PREFIX));
                 if *structured {
                     let mut envelope = serde_json::Map::new();
-                    for (k, v) in attributes {
-                        envelope.insert(k, Value::String(v));
+                    for ((name, _), v) in CE_REQUIRED.iter().zip(required) {
+                        envelope.insert((*name).into(), v.into());
+                    }
+                    if let Some(s) = subject {
+                        envelope.insert("subject".into(), s.into());
+                    }
+                    for (name, v) in extensions {
+                        envelope.insert(name.into(), v.into());
                     }
                     envelope.insert("datacontenttype".into(), "application/json".into());
                     envelope.insert("data".into(), m.payload.clone());
@@ -371,11 +383,19 @@ impl RecordLayout {
                         .push(("content-type".into(), "application/cloudevents+json".into()));
                 } else {
                     record.value = Some(json(&m.payload));
-                    record.headers.extend(
-                        attributes
-                            .into_iter()
-                            .map(|(k, v)| (format!("{CLOUDEVENTS_HEADER_PREFIX}{k}"), v)),
-                    );
+                    record.headers = Vec::with_capacity(m.headers.len() + 7);
+                    for ((_, header), v) in CE_REQUIRED.iter().zip(required) {
+                        record.headers.push(((*header).into(), v.to_owned()));
+                    }
+                    if let Some(s) = subject {
+                        record.headers.push(("ce_subject".into(), s.to_owned()));
+                    }
+                    for (name, v) in extensions {
+                        record.headers.push((
+                            format!("{CLOUDEVENTS_HEADER_PREFIX}{name}").into(),
+                            v.into(),
+                        ));
+                    }
                     record
                         .headers
                         .push(("content-type".into(), "application/json".into()));

@@ -33,7 +33,7 @@ fn message(topic: &str, headers: &[(&str, &str)], payload: Value) -> ClaimedMess
 fn headers(r: &Record) -> BTreeMap<&str, &str> {
     r.headers
         .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .map(|(k, v)| (k.as_ref(), v.as_str()))
         .collect()
 }
 
@@ -145,9 +145,9 @@ fn the_debezium_format_is_what_the_outbox_event_router_sends() {
     assert_eq!(
         r.headers,
         [
-            ("id".to_owned(), "42".to_owned()),
-            ("eventType".to_owned(), "OrderCreated".to_owned()),
-            ("trace".to_owned(), "t1".to_owned()),
+            ("id".into(), "42".to_owned()),
+            ("eventType".into(), "OrderCreated".to_owned()),
+            ("trace".into(), "t1".to_owned()),
         ]
     );
     let r = d(true, false).record(&m).unwrap();
