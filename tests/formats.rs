@@ -367,7 +367,7 @@ async fn debezium_and_cloudevents_records_are_read_by_their_own_clients_from_tab
     assert_eq!(a["specversion"], "1.0");
     assert_eq!(a["source"], "/shop/payments");
     assert_eq!(a["type"], "com.example.payment.captured");
-    assert_eq!(a["subject"], "p-1");
+    assert_eq!(a.get("subject"), None, "no ce_subject header");
     assert_eq!(a["region"], "eu");
     assert_eq!(a["datacontenttype"], "application/json");
     assert_eq!(a["partitionkey"], "p-1");
@@ -385,7 +385,7 @@ async fn debezium_and_cloudevents_records_are_read_by_their_own_clients_from_tab
         .find(|e| e["attributes"]["type"] == "com.example.payment.refunded")
         .expect("the published payment event");
     assert_eq!(refunded["data"], json!({"amount": 5}));
-    assert_eq!(refunded["attributes"]["subject"], "p-2");
+    assert_eq!(refunded["attributes"]["partitionkey"], "p-2");
     let traceparent = py["raw"]["ce-binary"]
         .as_array()
         .unwrap()
@@ -411,7 +411,7 @@ async fn debezium_and_cloudevents_records_are_read_by_their_own_clients_from_tab
     assert!(
         structured
             .values()
-            .any(|e| e["attributes"]["subject"] == "r-2" && e["data"] == json!({"amount": 1})),
+            .any(|e| e["attributes"]["partitionkey"] == "r-2" && e["data"] == json!({"amount": 1})),
         "the published refund"
     );
 

@@ -399,6 +399,12 @@ async fn writers_of(url: &str, with_message: bool, ordered: bool, publish: bool,
 /// The broker's own ceiling: `n` records like the relay's, produced straight from memory with the
 /// sink's producer settings, every report awaited, the producer started beforehand.
 async fn kafka_raw(brokers: &str, n: usize) -> f64 {
+    kafka_raw_with(brokers, n, &[]).await
+}
+
+/// [`kafka_raw`] with these headers on every record.
+async fn kafka_raw_with(brokers: &str, n: usize, headers: &[(&str, &str)]) -> f64 {
+    use rdkafka::message::{Header, OwnedHeaders};
     use rdkafka::producer::{FutureProducer, FutureRecord};
     let producer: FutureProducer = {
         let mut c = rdkafka::ClientConfig::new();
@@ -418,6 +424,18 @@ async fn kafka_raw(brokers: &str, n: usize) -> f64 {
     for i in 0..n {
         let key = format!("k{}", i % 100);
         let mut record = FutureRecord::to("bench").payload(&payload).key(&key);
+        if !headers.is_empty() {
+            let h = headers.iter().fold(
+                OwnedHeaders::new_with_capacity(headers.len()),
+                |h, (k, v)| {
+                    h.insert(Header {
+                        key: k,
+                        value: Some(v.as_bytes()),
+                    })
+                },
+            );
+            record = record.headers(h);
+        }
         loop {
             match producer.send_result(record) {
                 Ok(f) => {
@@ -538,12 +556,51 @@ async fn kafka_bench(url: &str, brokers: &str, n: usize, claimers: Option<usize>
     );
     println!("kafka_msgs_per_s={:.0}", median(&kafka));
     println!("kafka_vs_drain={:.2}", median(&kafka) / median(&embedded));
-    kafka_formats(url, &producer, n, claimers).await;
+    kafka_formats(url, brokers, &producer, n, claimers).await;
 }
 
-/// Each record format against postbox's own on the same messages, in rotating order, 3 rounds.
+/// CPU time to make one record in `format` (a bench message: ~230-byte payload, a key, no
+/// headers), best of 5 passes over 100k messages.
+fn record_ns(format: &postbox::sink::record::Format) -> f64 {
+    let layout = postbox::sink::record::RecordLayout {
+        format: format.clone(),
+        ..Default::default()
+    };
+    let now = chrono::Utc::now();
+    let m = postbox::ClaimedMessage {
+        id: 123_456,
+        topic: "bench".into(),
+        key: Some("k42".into()),
+        ordered: false,
+        payload: serde_json::json!({"n": 42, "body": "x".repeat(200)}),
+        headers: Default::default(),
+        priority: 0,
+        run_at: now,
+        attempts: 1,
+        max_attempts: 25,
+        created_at: now,
+        locked_until: now,
+        lease_token: 1,
+        last_error: None,
+        dedup_key: None,
+        undecodable: None,
+        stream_id: None,
+    };
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..100_000 {
+                std::hint::black_box(layout.record(std::hint::black_box(&m)).unwrap());
+            }
+            t.elapsed().as_nanos() as f64 / 100_000.0
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// Each record format against postbox's own on the same messages, in rotating order, 5 rounds.
 async fn kafka_formats(
     url: &str,
+    brokers: &str,
     producer: &Arc<postbox::sink::kafka::SharedProducer>,
     n: usize,
     claimers: Option<usize>,
@@ -581,7 +638,7 @@ async fn kafka_formats(
         ),
     ];
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); formats.len()];
-    for round in 0..3 {
+    for round in 0..5 {
         for i in 0..formats.len() {
             let f = (i + round) % formats.len();
             reset(url);
@@ -595,7 +652,11 @@ async fn kafka_formats(
     }
     let postbox = median(&runs[0]);
     for (i, (name, _)) in formats.iter().enumerate() {
-        println!("kafka format {name}: {:.0?} msg/s", runs[i]);
+        println!(
+            "kafka format {name}: {:.0?} msg/s; making its records alone: {:.0} ns a message",
+            runs[i],
+            record_ns(&formats[i].1)
+        );
     }
     for (i, (name, _)) in formats.iter().enumerate().skip(1) {
         println!(
@@ -603,6 +664,38 @@ async fn kafka_formats(
             median(&runs[i]) / postbox
         );
     }
+    // What the headers alone cost the producer and the broker: the same records from memory with
+    // postbox's three headers and with a binary CloudEvent's six.
+    let postbox_headers = [
+        ("postbox-id", "123456"),
+        ("postbox-topic", "bench"),
+        ("postbox-created-at", "2026-12-03T07:00:00.123456+00:00"),
+    ];
+    let ce_headers = [
+        ("ce_specversion", "1.0"),
+        ("ce_id", "123456"),
+        ("ce_source", "/bench"),
+        ("ce_type", "bench"),
+        ("ce_time", "2026-12-03T07:00:00.123456Z"),
+        ("content-type", "application/json"),
+    ];
+    let (mut with_postbox, mut with_ce) = (Vec::new(), Vec::new());
+    for round in 0..3 {
+        for first in [round % 2 == 0, round % 2 == 1] {
+            if first {
+                with_postbox.push(kafka_raw_with(brokers, n, &postbox_headers).await);
+            } else {
+                with_ce.push(kafka_raw_with(brokers, n, &ce_headers).await);
+            }
+        }
+    }
+    println!(
+        "kafka raw producer, postbox's headers / a binary CloudEvent's: {with_postbox:.0?} / {with_ce:.0?} msg/s"
+    );
+    println!(
+        "kafka_raw_cloudevents_headers_vs_postbox_headers={:.2}",
+        median(&with_ce) / median(&with_postbox)
+    );
 }
 
 async fn count_notifications(url: &str, count: Arc<AtomicU64>) -> tokio::task::JoinHandle<()> {

@@ -12,8 +12,8 @@
 //!   `ce_` headers, value = the payload, `content-type: application/json`) or structured
 //!   (`content-type: application/cloudevents+json`, value = the event's JSON envelope). `id` as
 //!   above, `source` from the route, `type` = header `type` or else the postbox topic, `time` = the
-//!   creation time, `subject` = header `ce_subject` or else the key; other `ce_<name>` headers are
-//!   extension attributes.
+//!   creation time, `subject` = header `ce_subject` when there is one; other `ce_<name>` headers
+//!   are extension attributes. The key is the record key (the SDKs read it as `partitionkey`).
 //!
 //! A message whose record cannot be made (a header the template needs is missing, the topic it
 //! gives is no valid Kafka topic name, a `ce_` header the binding cannot carry) is refused with the
@@ -298,6 +298,33 @@ const CE_REQUIRED: [(&str, &str); 5] = [
     ("time", "ce_time"),
 ];
 
+/// A structured-mode CloudEvent, written straight from the message (no copy of its payload).
+struct Envelope<'a> {
+    required: [&'a str; 5],
+    subject: Option<&'a str>,
+    extensions: &'a [(&'a str, &'a str)],
+    data: &'a Value,
+}
+
+impl serde::Serialize for Envelope<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(None)?;
+        for ((name, _), v) in CE_REQUIRED.iter().zip(self.required) {
+            map.serialize_entry(name, v)?;
+        }
+        if let Some(subject) = self.subject {
+            map.serialize_entry("subject", subject)?;
+        }
+        for (name, v) in self.extensions {
+            map.serialize_entry(name, v)?;
+        }
+        map.serialize_entry("datacontenttype", "application/json")?;
+        map.serialize_entry("data", self.data)?;
+        map.end()
+    }
+}
+
 impl RecordLayout {
     /// The record for `m`, or why it cannot have one (the message goes to the dead letters).
     pub fn record(&self, m: &ClaimedMessage) -> Result<Record, String> {
@@ -352,7 +379,7 @@ impl RecordLayout {
                     .get(EVENT_TYPE_HEADER)
                     .map_or(m.topic.as_str(), String::as_str);
                 let time = m.created_at.to_rfc3339_opts(SecondsFormat::Micros, true);
-                let mut subject = m.key.as_deref();
+                let mut subject: Option<&str> = None;
                 let mut extensions: Vec<(&str, &str)> = Vec::new();
                 for (k, v) in &m.headers {
                     match cloudevents_attribute(k)? {
@@ -365,19 +392,14 @@ impl RecordLayout {
                 let others = passed_on(m, &[EVENT_TYPE_HEADER, "content-type"])
                     .filter(|(k, _)| !k.starts_with(CLOUDEVENTS_HEADER_PREFIX));
                 if *structured {
-                    let mut envelope = serde_json::Map::new();
-                    for ((name, _), v) in CE_REQUIRED.iter().zip(required) {
-                        envelope.insert((*name).into(), v.into());
-                    }
-                    if let Some(s) = subject {
-                        envelope.insert("subject".into(), s.into());
-                    }
-                    for (name, v) in extensions {
-                        envelope.insert(name.into(), v.into());
-                    }
-                    envelope.insert("datacontenttype".into(), "application/json".into());
-                    envelope.insert("data".into(), m.payload.clone());
-                    record.value = Some(json(&Value::Object(envelope)));
+                    let envelope = Envelope {
+                        required,
+                        subject,
+                        extensions: &extensions,
+                        data: &m.payload,
+                    };
+                    record.value =
+                        Some(serde_json::to_vec(&envelope).expect("an envelope serializes"));
                     record
                         .headers
                         .push(("content-type".into(), "application/cloudevents+json".into()));
