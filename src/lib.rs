@@ -68,11 +68,15 @@ pub use error::{Error, InvalidMessage, Result};
 pub use message::{
     MAX_KEY_BYTES, MAX_PAYLOAD_BYTES, MAX_TOPIC_BYTES, Message, MessageId, RESERVED_HEADER_PREFIX,
 };
-#[cfg(feature = "async")]
-pub use store::migrate::migrate_async;
 pub use store::migrate::{MIGRATIONS, migrate};
+#[cfg(feature = "async")]
+pub use store::migrate::{migrate_async, migrate_pool};
 #[cfg(feature = "async")]
 pub use store::{ClaimedMessage, Lease, Store, Topics};
 pub use stream::{publish, publish_many};
 #[cfg(feature = "async")]
 pub use stream::{publish_async, publish_many_async};
+/// Stops an engine or a relay (`Engine::run(token)`), re-exported so an app needs no
+/// `tokio-util` of its own.
+#[cfg(feature = "engine")]
+pub use tokio_util::sync::CancellationToken;

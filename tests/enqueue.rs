@@ -412,6 +412,33 @@ async fn migrations_run_async_and_agree_with_sync_bookkeeping() {
     assert_eq!(count(&db), 1);
 }
 
+/// An app with a bb8 pool migrates through it: the pool's settings, no pooled connection taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_run_through_the_apps_pool_and_leave_it_as_it_was() {
+    use diesel_async::AsyncPgConnection;
+    use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+    let db = TestDb::empty();
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(&db.url);
+    let pool = bb8::Pool::builder()
+        .max_size(1)
+        .build(manager)
+        .await
+        .unwrap();
+    // The app holds its only pooled connection meanwhile.
+    let mut held = pool.get().await.unwrap();
+    assert_eq!(
+        postbox::migrate_pool(&pool).await.unwrap().len(),
+        MIGRATIONS
+    );
+    assert!(postbox::migrate_pool(&pool).await.unwrap().is_empty());
+    postbox::enqueue_async(&mut held, &Message::new("t"))
+        .await
+        .unwrap();
+    drop(held);
+    assert_eq!(pool.state().connections, 1);
+    assert_eq!(count(&db), 1);
+}
+
 #[test]
 fn concurrent_migrations_take_turns() {
     let db = TestDb::empty();

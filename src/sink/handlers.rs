@@ -69,9 +69,39 @@ impl HandlerError {
     }
 }
 
-impl<E: std::error::Error> From<E> for HandlerError {
+/// Any error converts into a retry whose reason is the error and its sources (`a: b: c`), so `?`
+/// works on `std::error::Error` types, `anyhow::Error`, `Box<dyn Error + Send + Sync>` and strings.
+impl<E: Into<Box<dyn std::error::Error + Send + Sync>>> From<E> for HandlerError {
     fn from(e: E) -> Self {
-        HandlerError::retry(e.to_string())
+        let e: Box<dyn std::error::Error + Send + Sync> = e.into();
+        let mut reason = e.to_string();
+        let mut source = e.source();
+        while let Some(s) = source {
+            let s_text = s.to_string();
+            // anyhow and others print their source in their own message already.
+            if !reason.ends_with(&s_text) {
+                reason.push_str(": ");
+                reason.push_str(&s_text);
+            }
+            source = s.source();
+        }
+        HandlerError::retry(reason)
+    }
+}
+
+impl std::fmt::Display for HandlerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HandlerError::Retry {
+                reason,
+                delay: None,
+            } => write!(f, "retry: {reason}"),
+            HandlerError::Retry {
+                reason,
+                delay: Some(d),
+            } => write!(f, "retry after {d:?}: {reason}"),
+            HandlerError::Dead { reason } => write!(f, "dead: {reason}"),
+        }
     }
 }
 
@@ -223,5 +253,45 @@ impl Sink for Handlers {
             Ok(out)
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HandlerError;
+
+    #[test]
+    fn any_error_converts_with_its_sources_and_a_handler_error_displays() {
+        fn io() -> Result<(), HandlerError> {
+            Err(std::io::Error::other("disk full"))?;
+            Ok(())
+        }
+        fn any() -> Result<(), HandlerError> {
+            Err(anyhow::anyhow!("db down").context("saving order 7"))?;
+            Ok(())
+        }
+        fn boxed() -> Result<(), HandlerError> {
+            let e: Box<dyn std::error::Error + Send + Sync> = "bad input".into();
+            Err(e)?;
+            Ok(())
+        }
+        fn text() -> Result<(), HandlerError> {
+            Err(format!("status {}", 503))?;
+            Ok(())
+        }
+        assert_eq!(io(), Err(HandlerError::retry("disk full")));
+        assert_eq!(any(), Err(HandlerError::retry("saving order 7: db down")));
+        assert_eq!(boxed(), Err(HandlerError::retry("bad input")));
+        assert_eq!(text(), Err(HandlerError::retry("status 503")));
+        assert_eq!(
+            HandlerError::dead("no such customer").to_string(),
+            "dead: no such customer"
+        );
+        assert_eq!(HandlerError::retry("later").to_string(), "retry: later");
+        assert_eq!(
+            HandlerError::retry_after("rate limited", std::time::Duration::from_secs(2))
+                .to_string(),
+            "retry after 2s: rate limited"
+        );
     }
 }

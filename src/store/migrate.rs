@@ -67,6 +67,28 @@ pub async fn migrate_async(
     .map_err(|e| Error::Migration(format!("the migration task failed: {e}")))?
 }
 
+/// [`migrate_async`] for an app that has a bb8 pool of diesel-async connections: the migrations
+/// run on a connection of their own made with the pool's settings (`Pool::dedicated_connection`),
+/// closed afterwards, so no pooled connection is taken and the pool is left as it was.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), postbox::Error> {
+/// use diesel_async::AsyncPgConnection;
+/// use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+/// let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new("postgres://localhost/app");
+/// let pool = bb8::Pool::builder().build(manager).await.expect("a pool");
+/// let applied = postbox::migrate_pool(&pool).await?;
+/// # Ok(()) }
+/// ```
+#[cfg(feature = "async")]
+pub async fn migrate_pool(pool: &crate::store::Pool) -> Result<Vec<String>> {
+    let conn = pool
+        .dedicated_connection()
+        .await
+        .map_err(|e| Error::Pool(e.to_string()))?;
+    migrate_async(conn).await.map(|(applied, _)| applied)
+}
+
 /// Creates database `name` (quoted as an identifier) from a connection to another database of the
 /// server; a database that already exists (another process was first) is not an error.
 #[cfg(feature = "async")]
