@@ -242,6 +242,42 @@ fn a_foreign_database_url_in_the_environment_does_not_beat_the_config_file() {
     );
 }
 
+/// What an operator who points a command at the wrong place is told: the real cause at once,
+/// never a pool's timeout, and `postbox migrate` (not a Rust function) for a missing schema.
+#[test]
+fn admin_commands_say_what_is_wrong_with_the_database_they_were_pointed_at() {
+    let db = TestDb::empty();
+    let missing = format!("{}_missing", db.url);
+    for args in [vec!["status"], vec!["dead", "list"]] {
+        let out = postbox(&[&["--database-url", missing.as_str()][..], &args].concat());
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("does not exist"), "{args:?}: {err}");
+        assert!(!err.contains("Timed out"), "{args:?}: {err}");
+    }
+    let refused = format!("postgres://postgres@127.0.0.1:{}/x", free_port());
+    let out = postbox(&["--database-url", &refused, "status"]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("Timed out"), "{err}");
+    assert!(err.to_lowercase().contains("refused"), "{err}");
+    let out = postbox(&["--database-url", &db.url, "status"]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("run `postbox migrate`"), "{err}");
+    assert!(!err.contains("postbox::migrate"), "{err}");
+    // A topic with nothing to cancel is said so (a typo is the usual cause).
+    let out = postbox(&["--database-url", &db.url, "migrate"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let out = postbox(&["--database-url", &db.url, "cancel", "--topic", "ordres"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("topic \"ordres\" has no live message"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
 #[test]
 fn migrate_creates_the_database_then_the_commands_work_on_it() {
     let db = TestDb::empty();

@@ -42,6 +42,24 @@ fn err(field: impl Into<String>, problem: impl Into<String>) -> ConfigError {
     }
 }
 
+/// serde's words for a value of the wrong type name our Rust types (`expected struct
+/// RelaySection`); an operator reads `expected a table`.
+fn plain_serde_message(msg: &str) -> String {
+    let mut out = msg.to_owned();
+    while let Some(at) = out.find("expected struct ") {
+        let rest = &out[at + "expected struct ".len()..];
+        let end = rest
+            .find(|c: char| !c.is_alphanumeric() && c != '_')
+            .unwrap_or(rest.len());
+        out = format!(
+            "{}expected a table{}",
+            &out[..at],
+            &out[at + "expected struct ".len() + end..]
+        );
+    }
+    out
+}
+
 /// The whole file.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -232,7 +250,7 @@ impl Config {
     /// Parses a TOML document; unknown keys and wrong types are errors naming the key.
     pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
         toml::from_str(text).map_err(|e| {
-            let msg = e.message().trim().to_owned();
+            let msg = plain_serde_message(e.message().trim());
             let (field, line) = match e.span() {
                 Some(span) => field_at(text, span.start),
                 None => ("config file".to_owned(), 0),
@@ -241,8 +259,67 @@ impl Config {
         })
     }
 
-    /// Applies the environment, fills in defaults, validates.
-    pub fn resolve(mut self, env: Overrides) -> Result<Settings, ConfigError> {
+    /// Applies the environment, fills in defaults, validates. A value from the environment that
+    /// is wrong is named with its variable (`relay.lease (POSTBOX_LEASE)`).
+    pub fn resolve(self, env: Overrides) -> Result<Settings, ConfigError> {
+        let from_env: Vec<(&str, &str)> = [
+            (
+                "database_url",
+                env.database_url.is_some(),
+                "POSTBOX_DATABASE_URL",
+            ),
+            (
+                "database_url",
+                env.database_url.is_none()
+                    && self.database_url.is_none()
+                    && env.database_url_fallback.is_some(),
+                "DATABASE_URL",
+            ),
+            (
+                "metrics.listen",
+                env.metrics_listen.is_some(),
+                "POSTBOX_METRICS_LISTEN",
+            ),
+            (
+                "relay.batch_size",
+                env.batch_size.is_some(),
+                "POSTBOX_BATCH_SIZE",
+            ),
+            (
+                "relay.concurrency",
+                env.concurrency.is_some(),
+                "POSTBOX_CONCURRENCY",
+            ),
+            ("relay.lease", env.lease.is_some(), "POSTBOX_LEASE"),
+            (
+                "relay.poll_interval",
+                env.poll_interval.is_some(),
+                "POSTBOX_POLL_INTERVAL",
+            ),
+            (
+                "relay.shutdown_deadline",
+                env.shutdown_deadline.is_some(),
+                "POSTBOX_SHUTDOWN_DEADLINE",
+            ),
+            (
+                "sinks.kafka.brokers",
+                env.kafka_brokers.is_some(),
+                "POSTBOX_KAFKA_BROKERS",
+            ),
+        ]
+        .into_iter()
+        .filter(|(_, set, _)| *set)
+        .map(|(field, _, var)| (field, var))
+        .collect();
+        self.apply(env).map_err(|mut e| {
+            if let Some((_, var)) = from_env.iter().find(|(f, _)| e.field == *f) {
+                e.field = format!("{} ({var})", e.field);
+            }
+            e
+        })
+    }
+
+    fn apply(mut self, env: Overrides) -> Result<Settings, ConfigError> {
         let num = |field: &str, v: &str| {
             v.parse::<usize>()
                 .map_err(|_| err(field, format!("{v:?} is not a whole number")))
@@ -385,6 +462,12 @@ impl Config {
                     return Err(err(
                         at("sink"),
                         "routes to kafka but [sinks.kafka] is not configured",
+                    ));
+                }
+                "kafka" if !cfg!(feature = "kafka") => {
+                    return Err(err(
+                        at("sink"),
+                        "this build of postbox has no kafka sink (cargo feature `kafka`)",
                     ));
                 }
                 "kafka" => {

@@ -440,3 +440,31 @@ fn kafka_routes_take_a_format_and_a_topic_template_and_name_what_is_wrong() {
     assert_eq!(e.field, "routes[0].format", "{e}");
     assert!(e.problem.contains("kafka route only"), "{e}");
 }
+
+#[test]
+fn errors_speak_of_tables_and_name_the_variable_a_bad_value_came_from() {
+    let e = Config::from_toml("relay = 5\n").unwrap_err();
+    assert_eq!(e.field, "relay", "{e}");
+    assert!(e.problem.contains("expected a table"), "{e}");
+    assert!(!e.problem.contains("Section"), "{e}");
+    let e = Config::default()
+        .resolve(Overrides {
+            lease: Some("0s".into()),
+            ..Overrides::default()
+        })
+        .unwrap_err();
+    assert_eq!(e.field, "relay.lease (POSTBOX_LEASE)", "{e}");
+    let e = Config::default()
+        .resolve(Overrides {
+            database_url_fallback: Some("mysql://x".into()),
+            ..Overrides::default()
+        })
+        .unwrap_err();
+    assert_eq!(e.field, "database_url (DATABASE_URL)", "{e}");
+    // The same value from the file is named by its key alone.
+    let e = Config::from_toml("[relay]\nlease = \"0s\"\n")
+        .unwrap()
+        .resolve(Overrides::default())
+        .unwrap_err();
+    assert_eq!(e.field, "relay.lease", "{e}");
+}

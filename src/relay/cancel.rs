@@ -32,6 +32,16 @@ pub async fn run(settings: &Settings, a: CancelArgs) -> Result<()> {
         .cancel(&selector)
         .await
         .map_err(|e| RelayError::Runtime(e.into()))?;
+    if c.dead == 0 && c.running == 0 {
+        match &selector {
+            CancelSelector::Topic(t) => {
+                eprintln!("cancelled nothing: topic {t:?} has no live message (is the name right?)")
+            }
+            CancelSelector::Ids(_) => eprintln!(
+                "cancelled nothing: no live message has these ids (delivered, dead or never there)"
+            ),
+        }
+    }
     println!(
         "cancelled {} (moved to the dead letters, reason \"cancelled\"); {} running: they finish their current attempt and are not retried",
         c.dead, c.running

@@ -144,7 +144,7 @@ pub async fn connect(settings: &Settings, stop: &CancellationToken) -> Result<St
         };
         match attempt.await {
             Ok(store) => return Ok(store),
-            Err(Error::Migration(m)) => return Err(anyhow::anyhow!("{m}").into()),
+            Err(Error::Migration(_)) => return Err(missing_schema(settings).into()),
             Err(e) => {
                 tracing::warn!(database = %redact_url(&settings.database_url), error = %redact_url(&e.to_string()), retry_in = ?pause, "database unreachable");
                 tokio::select! {
@@ -415,6 +415,17 @@ pub fn stall_limit(e: &crate::engine::EngineConfig) -> std::time::Duration {
 
 /// Opens a store for the admin commands (status, dead ...), without retrying.
 pub async fn admin_store(settings: &Settings) -> Result<Store> {
+    // One connection first, so the real cause (no such database, connection refused, bad
+    // password) is said at once, not a pool's timeout after it retried for seconds.
+    crate::store::connect::establish(&settings.database_url)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "connect to {}: {}",
+                redact_url(&settings.database_url),
+                redact_url(&e.to_string())
+            )
+        })?;
     let store = Store::connect(&settings.database_url, 2)
         .await
         .map_err(|e| {
@@ -424,9 +435,18 @@ pub async fn admin_store(settings: &Settings) -> Result<Store> {
                 redact_url(&e.to_string())
             )
         })?;
-    store
-        .check_schema()
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    store.check_schema().await.map_err(|e| match e {
+        crate::Error::Migration(_) => missing_schema(settings),
+        e => anyhow::anyhow!("{e}"),
+    })?;
     Ok(store)
+}
+
+/// What an operator is told when the database has no (or an old) postbox schema.
+fn missing_schema(settings: &Settings) -> anyhow::Error {
+    anyhow::anyhow!(
+        "the postbox schema is missing or outdated in {}: run `postbox migrate` with this \
+         configuration",
+        redact_url(&settings.database_url)
+    )
 }

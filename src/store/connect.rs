@@ -1,7 +1,9 @@
 //! Opening connections for the store and the notifier, with TLS when the URL asks for it.
 
 use diesel::{ConnectionError, ConnectionResult};
-use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+#[cfg(not(feature = "tls"))]
+use diesel_async::AsyncConnection;
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 
 /// Session settings of the store's own connections.
 ///
@@ -139,9 +141,12 @@ pub async fn open(url: &str) -> ConnectionResult<AsyncPgConnection> {
         tls_mode(&with_sslmode_from_env(url)).map_err(ConnectionError::BadConnection)?;
     let stripped = with_network_defaults(&stripped);
     match mode {
+        #[cfg(feature = "tls")]
+        TlsMode::Off => tls::plain(&stripped).await,
+        #[cfg(not(feature = "tls"))]
         TlsMode::Off => AsyncPgConnection::establish(&stripped).await,
         #[cfg(feature = "tls")]
-        TlsMode::Allow => match AsyncPgConnection::establish(&stripped).await {
+        TlsMode::Allow => match tls::plain(&stripped).await {
             Ok(c) => Ok(c),
             Err(_) => tls::establish(&stripped, TlsMode::Require).await,
         },
@@ -326,6 +331,15 @@ mod tls {
                 .with_no_client_auth(),
             TlsMode::Off => unreachable!("plain connections do not come here"),
         })
+    }
+
+    /// A plain connection, as diesel-async makes one, but its error says the cause ("error
+    /// connecting to server: Connection refused"), not only that it failed.
+    pub(super) async fn plain(url: &str) -> ConnectionResult<AsyncPgConnection> {
+        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .map_err(|e| chain(&e))?;
+        AsyncPgConnection::try_from_client_and_connection(client, connection).await
     }
 
     pub(super) async fn establish(url: &str, mode: TlsMode) -> ConnectionResult<AsyncPgConnection> {
