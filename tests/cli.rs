@@ -278,6 +278,37 @@ fn admin_commands_say_what_is_wrong_with_the_database_they_were_pointed_at() {
     );
 }
 
+/// A one-off `run --drain` beside a relay that holds the metrics port: refused with the field
+/// named, and runs with `metrics.listen = "off"`.
+#[test]
+fn a_drain_can_run_without_a_metrics_server_beside_a_relay_that_has_one() {
+    let db = TestDb::migrated();
+    common::enqueue(&db, vec![Message::new("t").payload(&1)]);
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let drain = |listen: &str| {
+        hermetic(BIN)
+            .args(["--database-url", &db.url, "run", "--drain"])
+            .env("POSTBOX_METRICS_LISTEN", listen)
+            .output()
+            .unwrap()
+    };
+    let out = drain(&format!("127.0.0.1:{port}"));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("metrics.listen"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = drain("off");
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages"),
+        0,
+        "drained"
+    );
+}
+
 #[test]
 fn migrate_creates_the_database_then_the_commands_work_on_it() {
     let db = TestDb::empty();

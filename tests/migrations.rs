@@ -55,9 +55,9 @@ fn every_listed_migration_is_unchanged_and_every_new_one_comes_after_them() {
     let listed = listed();
     let disk = on_disk();
     for (path, sum) in &listed {
-        let bytes = disk
-            .get(path)
-            .unwrap_or_else(|| panic!("{path}: a landed migration file is gone (renamed or removed)"));
+        let bytes = disk.get(path).unwrap_or_else(|| {
+            panic!("{path}: a landed migration file is gone (renamed or removed)")
+        });
         assert_eq!(
             &hex(&Sha256::digest(bytes)),
             sum,

@@ -214,7 +214,8 @@ impl Overrides {
 pub struct Settings {
     pub database_url: String,
     pub engine: EngineConfig,
-    pub metrics_listen: SocketAddr,
+    /// `None`: `metrics.listen = "off"`, no metrics and health server.
+    pub metrics_listen: Option<SocketAddr>,
     pub sample_interval: Duration,
     /// `metrics.max_topics`.
     pub metrics_max_topics: usize,
@@ -420,12 +421,17 @@ impl Config {
             .listen
             .as_deref()
             .unwrap_or(DEFAULT_METRICS_LISTEN);
-        let metrics_listen = listen.parse::<SocketAddr>().map_err(|_| {
-            err(
-                "metrics.listen",
-                format!("{listen:?} is not host:port (like 0.0.0.0:9464)"),
-            )
-        })?;
+        // "off": no metrics and health server (a one-off `run --drain` beside a running relay).
+        let metrics_listen = if listen == "off" {
+            None
+        } else {
+            Some(listen.parse::<SocketAddr>().map_err(|_| {
+                err(
+                    "metrics.listen",
+                    format!("{listen:?} is not host:port (like 0.0.0.0:9464) or \"off\""),
+                )
+            })?)
+        };
         let sample_interval = self
             .metrics
             .sample_interval

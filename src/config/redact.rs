@@ -133,7 +133,10 @@ impl Settings {
                 liveness_interval: Some(s.liveness_interval),
             }),
             metrics: MetricsSection {
-                listen: Some(self.metrics_listen.to_string()),
+                listen: Some(
+                    self.metrics_listen
+                        .map_or_else(|| "off".to_owned(), |a| a.to_string()),
+                ),
                 sample_interval: Some(self.sample_interval),
                 max_topics: Some(self.metrics_max_topics),
             },

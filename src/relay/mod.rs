@@ -247,7 +247,10 @@ pub async fn run(
             .collect(),
     );
     metrics.stall_after(Some(stall_limit(&settings.engine)));
-    let server = serve_metrics(settings.metrics_listen, metrics.clone(), shutdown.clone()).await?;
+    let server = match settings.metrics_listen {
+        Some(addr) => serve_metrics(addr, metrics.clone(), shutdown.clone()).await?,
+        None => tokio::spawn(async {}),
+    };
     let store = match connect(&settings, &shutdown).await {
         Ok(s) => s,
         // Asked to stop while still waiting for the database: nothing was claimed, a clean exit.
@@ -304,7 +307,7 @@ pub async fn run(
         }
         engines.push(builder.build().await?);
     }
-    tracing::info!(database = %redact_url(&settings.database_url), metrics = %settings.metrics_listen, routes = engines.len(), "relay running");
+    tracing::info!(database = %redact_url(&settings.database_url), metrics = %settings.metrics_listen.map_or_else(|| "off".to_owned(), |a| a.to_string()), routes = engines.len(), "relay running");
     let runs: Vec<_> = engines
         .into_iter()
         .map(|e| tokio::spawn(e.run_until(shutdown.clone(), hard_stop.clone())))
