@@ -277,6 +277,8 @@ async fn a_message_that_can_never_be_delivered_is_dead_lettered_with_the_reason(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_misconfigured_for_kafka_pauses_instead_of_dead_lettering_the_stream() {
     let broker = Broker::start();
+    // The topic the route should name; the broker creates no other.
+    broker.create_topic("events", 1).await;
     let db = TestDb::migrated();
     let route = |kafka_topic: Option<&str>| {
         let p = producer(
