@@ -944,6 +944,24 @@ async fn status_shows_a_stalled_ordered_key() {
         "{}",
         text(&out.stdout)
     );
+    // Cancelled, then replayed into a paused topic: the replayed head carries its old error but
+    // has not been tried since, so it is no stalled key (nor would it fire PostboxStalledKey).
+    let url = db.url.as_str();
+    let out = postbox(&["--database-url", url, "cancel", "--topic", "acct"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let out = postbox(&["--database-url", url, "pause", "acct"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let out = postbox(&["--database-url", url, "dead", "replay", "--topic", "acct"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.messages WHERE last_error IS NOT NULL AND attempts = 0"
+        ),
+        2
+    );
+    let out = postbox(&["--database-url", url, "status", "--json"]);
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["stalled_keys"], serde_json::json!([]), "{status}");
 }
 
 #[test]

@@ -172,6 +172,8 @@ pub struct StalledKey {
 }
 
 /// Heads that have failed, through messages_stalled_idx: the cost is the number of such heads.
+/// A replayed head carries its old error but has not failed again until it is tried
+/// (`attempts > 0`): it is no stalled key.
 const STALLED: &str = r#"
 SELECT h.topic, h.key, h.id, h.attempts,
        extract(epoch FROM now() - h.created_at)::float8 AS age_secs, h.last_error,
@@ -179,13 +181,13 @@ SELECT h.topic, h.key, h.id, h.attempts,
                               WHERE w.state = 'waiting' AND w.topic = h.topic AND w.key = h.key
                               LIMIT 100000) c) AS waiting
 FROM postbox.messages h
-WHERE h.ordered AND h.state <> 'waiting' AND h.last_error IS NOT NULL
+WHERE h.ordered AND h.state <> 'waiting' AND h.last_error IS NOT NULL AND h.attempts > 0
 ORDER BY h.created_at
 LIMIT $1
 "#;
 
 const STALLED_PER_TOPIC: &str = "SELECT topic, count(*) AS n FROM postbox.messages
-    WHERE ordered AND state <> 'waiting' AND last_error IS NOT NULL GROUP BY topic";
+    WHERE ordered AND state <> 'waiting' AND last_error IS NOT NULL AND attempts > 0 GROUP BY topic";
 
 /// One figure of a metrics sample.
 #[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize, serde::Deserialize)]
