@@ -126,7 +126,7 @@ impl PayloadBudget {
 /// 214 MB; three times, 120–153 MB; six times, within the budget plus the base.
 const COPIES: usize = 6;
 
-/// What a claimed message weighs in memory, about: [`COPIES`] of its text and decoded payload.
+/// What a claimed message weighs in memory, about: `COPIES` (6) copies of its text and decoded payload.
 pub fn approx_bytes(m: &ClaimedMessage) -> usize {
     let headers: usize = m.headers.iter().map(|(k, v)| k.len() + v.len() + 48).sum();
     256 + COPIES

@@ -68,7 +68,7 @@ pub enum Command {
     /// finish their current attempt and are not retried.
     Cancel(CancelArgs),
     /// Where a message is: queued (and its state), dead-lettered (and why), or delivered (when,
-    /// by which sink; with [retention] keep_completed).
+    /// by which sink; with `[retention] keep_completed`).
     Show {
         id: i64,
         #[arg(long)]

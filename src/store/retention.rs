@@ -155,7 +155,7 @@ ORDER BY rank, sort DESC";
 
 impl Store {
     /// Creates the hourly partitions of `postbox.completed` from this hour to
-    /// [`COMPLETED_AHEAD`] (what an engine keeping completed messages needs before it completes
+    /// `COMPLETED_AHEAD` (a day) (what an engine keeping completed messages needs before it completes
     /// any); returns how many it created.
     pub async fn prepare_completed(&self) -> Result<usize> {
         let mut conn = self.conn().await?;
@@ -167,7 +167,7 @@ impl Store {
     }
 
     /// Retention upkeep, safe on every replica at once: creates the hourly partitions of
-    /// `postbox.completed` from this hour to [`COMPLETED_AHEAD`], and detaches (concurrently: the
+    /// `postbox.completed` from this hour to `COMPLETED_AHEAD` (a day), and detaches (concurrently: the
     /// settle path is never blocked) and drops those whose hour ended more than `keep` ago.
     pub async fn maintain_completed(&self, keep: Duration) -> Result<Maintained> {
         let created = self.prepare_completed().await?;

@@ -24,7 +24,7 @@ pub struct Item {
 
 /// How many times a message a sink answers `Retry` for is sent again before it is dead-lettered
 /// (a stream message has no attempts column: this bounds a poison message's hold on the stream).
-/// The waits between tries double from [`FIRST_RETRY`] (or are the delay the sink asked for, if
+/// The waits between tries double from `FIRST_RETRY` (500 ms) (or are the delay the sink asked for, if
 /// longer) up to the relay's longest back-off: about 2.5 minutes in all with the defaults.
 pub const MAX_RETRIES: u32 = 10;
 

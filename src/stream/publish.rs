@@ -72,7 +72,7 @@ fn contents(msgs: &[Message]) -> Result<Vec<String>> {
 /// message is never written where nothing will read it.
 ///
 /// A delay, `run_at`, a priority, a dedup key or max attempts are refused with
-/// [`crate::Error::InvalidMessage`]: use [`crate::enqueue`] for those.
+/// [`crate::Error::InvalidMessage`]: use [`crate::enqueue()`] for those.
 ///
 /// ```no_run
 /// use diesel::prelude::*;
