@@ -39,7 +39,7 @@
 pub mod backoff;
 #[cfg(feature = "relay")]
 pub mod config;
-#[cfg(feature = "engine")]
+#[cfg(feature = "cron")]
 pub mod cron;
 #[cfg(feature = "engine")]
 pub mod engine;
@@ -59,7 +59,7 @@ pub mod store;
 pub mod stream;
 
 pub use backoff::Backoff;
-#[cfg(feature = "engine")]
+#[cfg(feature = "cron")]
 pub use cron::CronSchedule;
 pub use enqueue::{Enqueued, enqueue, enqueue_many};
 #[cfg(feature = "async")]

@@ -22,6 +22,7 @@
 pub mod budget;
 mod completer;
 pub mod config;
+#[cfg(feature = "cron")]
 pub mod cron;
 mod flush;
 mod held;
@@ -44,6 +45,7 @@ pub use self::maintenance::{REPAIR_BATCH, Rescuer, Scheduler};
 pub use self::observer::{Counters, NoObserver, Observer, RunReport, Settlement};
 use self::producer::{InFlight, Producer, SinkHealth};
 use crate::backoff::Backoff;
+#[cfg(feature = "cron")]
 use crate::cron::CronSchedule;
 use crate::error::{Error, Result};
 use crate::sink::Sink;
@@ -64,6 +66,7 @@ pub struct EngineBuilder {
     backoff: Option<Backoff>,
     observer: Arc<dyn Observer>,
     listen: bool,
+    #[cfg(feature = "cron")]
     schedules: Vec<CronSchedule>,
     limits: Vec<Limit>,
     budget: Option<Arc<PayloadBudget>>,
@@ -179,6 +182,7 @@ impl EngineBuilder {
         self
     }
 
+    #[cfg(feature = "cron")]
     /// Runs this cron schedule (see [`CronSchedule`]): at each tick its message is enqueued,
     /// once across every engine and relay that runs a schedule of this name. Not in drain mode.
     pub fn schedule(mut self, schedule: CronSchedule) -> Self {
@@ -196,13 +200,16 @@ impl EngineBuilder {
     /// Validates the settings (errors name the field) and opens the pool if none was given.
     pub async fn build(self) -> Result<Engine> {
         self.config.validate()?;
-        let mut names: Vec<&str> = self.schedules.iter().map(|s| s.name()).collect();
-        names.sort_unstable();
-        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
-            return Err(Error::InvalidArgument {
-                field: "schedules",
-                problem: format!("two schedules are named {:?}", w[0]),
-            });
+        #[cfg(feature = "cron")]
+        {
+            let mut names: Vec<&str> = self.schedules.iter().map(|s| s.name()).collect();
+            names.sort_unstable();
+            if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+                return Err(Error::InvalidArgument {
+                    field: "schedules",
+                    problem: format!("two schedules are named {:?}", w[0]),
+                });
+            }
         }
         let sink = self.sink.ok_or(Error::InvalidArgument {
             field: "sink",
@@ -241,6 +248,7 @@ impl EngineBuilder {
             observer: self.observer,
             counters: Arc::new(Counters::default()),
             listen: self.listen,
+            #[cfg(feature = "cron")]
             schedules: self.schedules,
             limits: self.limits,
             budget,
@@ -265,6 +273,7 @@ pub struct Engine {
     observer: Arc<dyn Observer>,
     counters: Arc<Counters>,
     listen: bool,
+    #[cfg(feature = "cron")]
     schedules: Vec<CronSchedule>,
     limits: Vec<Limit>,
     budget: Arc<PayloadBudget>,
@@ -283,6 +292,7 @@ impl Engine {
             backoff: None,
             observer: Arc::new(NoObserver),
             listen: true,
+            #[cfg(feature = "cron")]
             schedules: Vec::new(),
             limits: Vec::new(),
             budget: None,
@@ -385,6 +395,9 @@ impl Engine {
                 .observer(observer.clone())
                 .run(background.clone()),
         );
+        #[cfg(not(feature = "cron"))]
+        let cron: Option<tokio::task::JoinHandle<()>> = None;
+        #[cfg(feature = "cron")]
         let cron = (!self.schedules.is_empty() && !self.config.drain).then(|| {
             tokio::spawn(cron::run(
                 self.store.clone(),

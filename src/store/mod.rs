@@ -14,7 +14,7 @@ mod check;
 mod claim;
 #[cfg(feature = "async")]
 pub mod connect;
-#[cfg(feature = "engine")]
+#[cfg(feature = "cron")]
 mod cron;
 #[cfg(feature = "async")]
 mod dead;
@@ -61,7 +61,7 @@ pub use self::{
     stream::{StreamSetup, StreamSlot, check_slot_name, stream_session_alive},
 };
 
-#[cfg(feature = "engine")]
+#[cfg(feature = "cron")]
 pub use self::cron::{Fired, ScheduleRow};
 
 #[cfg(feature = "async")]
