@@ -115,12 +115,7 @@ fn emit(db: &TestDb, content: Value) {
 async fn debezium_and_cloudevents_records_are_read_by_their_own_clients_from_table_and_stream() {
     let clients = clients();
     let server = OwnServer::start(&["wal_level=logical"]);
-    let db = server.migrated();
-    db.store()
-        .await
-        .stream_setup("postbox", "postbox_stream")
-        .await
-        .unwrap();
+    let db = server.stream_db().await;
     let broker = Broker::start();
     for (topic, partitions) in [
         ("outbox.event.order", 3),

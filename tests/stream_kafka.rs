@@ -26,13 +26,7 @@ fn kafka_relay(db: &TestDb, broker: &Broker, properties: &str) -> Relay {
 }
 
 async fn logical_db(server: &OwnServer) -> TestDb {
-    let db = server.migrated();
-    db.store()
-        .await
-        .stream_setup("postbox", "postbox_stream")
-        .await
-        .unwrap();
-    db
+    server.stream_db().await
 }
 
 fn order(key: &str, n: i64) -> Message {

@@ -418,26 +418,21 @@ pub fn stall_limit(e: &crate::engine::EngineConfig) -> std::time::Duration {
 
 /// Opens a store for the admin commands (status, dead ...), without retrying.
 pub async fn admin_store(settings: &Settings) -> Result<Store> {
+    let cannot_connect = |e: &dyn std::fmt::Display| {
+        anyhow::anyhow!(
+            "connect to {}: {}",
+            redact_url(&settings.database_url),
+            redact_url(&e.to_string())
+        )
+    };
     // One connection first, so the real cause (no such database, connection refused, bad
     // password) is said at once, not a pool's timeout after it retried for seconds.
     crate::store::connect::establish(&settings.database_url)
         .await
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "connect to {}: {}",
-                redact_url(&settings.database_url),
-                redact_url(&e.to_string())
-            )
-        })?;
+        .map_err(|e| cannot_connect(&e))?;
     let store = Store::connect(&settings.database_url, 2)
         .await
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "connect to {}: {}",
-                redact_url(&settings.database_url),
-                redact_url(&e.to_string())
-            )
-        })?;
+        .map_err(|e| cannot_connect(&e))?;
     store.check_schema().await.map_err(|e| match e {
         crate::Error::Migration(_) => missing_schema(settings),
         e => anyhow::anyhow!("{e}"),

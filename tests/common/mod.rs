@@ -497,6 +497,19 @@ impl OwnServer {
             url,
         }
     }
+
+    /// [`OwnServer::migrated`] with stream mode set up (slot `postbox`, publication
+    /// `postbox_stream`); the server must run with `wal_level = logical`.
+    #[cfg(feature = "async")]
+    pub async fn stream_db(&self) -> TestDb {
+        let db = self.migrated();
+        db.store()
+            .await
+            .stream_setup("postbox", "postbox_stream")
+            .await
+            .unwrap();
+        db
+    }
 }
 
 impl Drop for OwnServer {
