@@ -214,8 +214,13 @@ impl TopicTemplate {
                 },
             }
         }
-        check_kafka_topic(&out)
-            .map_err(|e| format!("kafka topic {out:?} from the route's kafka_topic: {e}"))?;
+        check_kafka_topic(&out).map_err(|e| {
+            if self.parts == [Part::Topic] {
+                format!("topic {out:?} cannot be a Kafka topic: {e}")
+            } else {
+                format!("kafka topic {out:?} from the route's kafka_topic: {e}")
+            }
+        })?;
         Ok(out)
     }
 }

@@ -91,6 +91,13 @@ fn templates_render_topics_segments_and_headers_and_refuse_what_they_cannot() {
         e.contains("\"shop-eu/west.shop.order\"") && e.contains("'/'"),
         "{e}"
     );
+    let e = TopicTemplate::default()
+        .render_for("orders/eu", &none)
+        .unwrap_err();
+    assert!(
+        e.starts_with("topic \"orders/eu\" cannot be a Kafka topic"),
+        "{e}"
+    );
     let e = TopicTemplate::parse("x.{topic[3]}")
         .unwrap()
         .render_for("a.b", &none)
