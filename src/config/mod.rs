@@ -320,6 +320,8 @@ impl Config {
         })
     }
 
+    /// The environment over the file, then [`Config::settings`]; an error's field is the key alone
+    /// (`resolve` adds the variable when the value came from one).
     fn apply(mut self, env: Overrides) -> Result<Settings, ConfigError> {
         let num = |field: &str, v: &str| {
             v.parse::<usize>()
@@ -335,23 +337,19 @@ impl Config {
             self.metrics.listen = Some(v);
         }
         if let Some(v) = env.batch_size {
-            self.relay.batch_size = Some(num("relay.batch_size (POSTBOX_BATCH_SIZE)", &v)?);
+            self.relay.batch_size = Some(num("relay.batch_size", &v)?);
         }
         if let Some(v) = env.concurrency {
-            self.relay.concurrency = Some(num("relay.concurrency (POSTBOX_CONCURRENCY)", &v)?);
+            self.relay.concurrency = Some(num("relay.concurrency", &v)?);
         }
         if let Some(v) = env.lease {
-            self.relay.lease = Some(dur("relay.lease (POSTBOX_LEASE)", &v)?);
+            self.relay.lease = Some(dur("relay.lease", &v)?);
         }
         if let Some(v) = env.poll_interval {
-            self.relay.poll_interval =
-                Some(dur("relay.poll_interval (POSTBOX_POLL_INTERVAL)", &v)?);
+            self.relay.poll_interval = Some(dur("relay.poll_interval", &v)?);
         }
         if let Some(v) = env.shutdown_deadline {
-            self.relay.shutdown_deadline = Some(dur(
-                "relay.shutdown_deadline (POSTBOX_SHUTDOWN_DEADLINE)",
-                &v,
-            )?);
+            self.relay.shutdown_deadline = Some(dur("relay.shutdown_deadline", &v)?);
         }
         if let Some(v) = env.kafka_brokers {
             self.sinks

@@ -290,7 +290,7 @@ impl Sink for KafkaSink {
                     }
                 };
                 pending.push(Ok(future));
-                topics.push(r.topic.clone());
+                topics.push(r.topic);
             }
             let reports = join_all(pending.into_iter().map(|f| async move {
                 match f {
