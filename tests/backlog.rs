@@ -20,8 +20,13 @@ use tokio_util::sync::CancellationToken;
 
 const LEASE: Duration = Duration::from_secs(30);
 const BATCH: usize = 100;
-/// Migrations in the tree: one more means one more revert in the upgrade test below.
-const MIGRATION_COUNT: usize = 16;
+/// How many migrations there are (each is a directory of migrations/).
+fn migration_count() -> usize {
+    std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations"))
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().is_dir())
+        .count()
+}
 
 fn ids_of(msgs: &[postbox::store::ClaimedMessage]) -> Vec<i64> {
     msgs.iter().map(|m| m.id).collect()
@@ -663,7 +668,7 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
     )
     .unwrap();
     // Every migration after the first runs on the live table.
-    let after_first = MIGRATION_COUNT - 1;
+    let after_first = migration_count() - 1;
     assert_eq!(postbox::migrate(&mut conn).unwrap().len(), after_first);
     // A hold's ids are kept out of line uncompressed (compressing them cost most of a registration).
     assert_eq!(
@@ -733,6 +738,7 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
         "INSERT INTO postbox.messages (topic, key, ordered) VALUES ('o', 'k', true), ('o', 'k', true);
          INSERT INTO postbox.messages (topic, run_at) VALUES ('a', now() + interval '1 hour')",
     );
+    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // least privilege
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // stream dead letters
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // stream
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // claim order

@@ -10,6 +10,7 @@ use super::RelayError;
 use super::cancel::CancelArgs;
 use super::dead::DeadCommand;
 use super::enqueue::EnqueueArgs;
+use super::grant::GrantArgs;
 use super::pause::TopicArgs;
 use super::stream::StreamCommand;
 use crate::config::{Config, Overrides, Settings, parse_duration};
@@ -80,6 +81,10 @@ pub enum Command {
     /// Stream mode's replication slot: set it up, see it, drop it.
     #[command(subcommand)]
     Stream(StreamCommand),
+    /// Least-privilege roles: give a role the rights of a writer (enqueue, publish), a relay or an
+    /// operator on this database's postbox schema (creating it NOLOGIN when missing), or take
+    /// them back; `--sql` prints the statements instead.
+    Grant(GrantArgs),
     /// Migrate, enqueue sample orders in transactions, relay them to the log sink, summarise.
     Demo {
         /// Orders to create.
@@ -176,6 +181,7 @@ pub async fn execute(cli: Cli) -> Result<(), RelayError> {
         Command::Cancel(args) => super::cancel::run(&settings, args).await?,
         Command::Show { id, json } => super::show::run(&settings, id, json).await?,
         Command::Stream(command) => super::stream::run(&settings, command).await?,
+        Command::Grant(args) => super::grant::run(&settings, args).await?,
         Command::Demo { orders } => {
             let s = super::demo(settings, orders).await?;
             println!(

@@ -8,6 +8,7 @@ pub mod cli;
 mod dead;
 mod demo;
 mod enqueue;
+mod grant;
 mod pause;
 mod serve;
 mod show;
@@ -125,7 +126,51 @@ pub async fn migrate(settings: &Settings) -> Result<Vec<String>> {
     let conn = crate::store::connect::open(url)
         .await
         .map_err(|e| anyhow::anyhow!("connect to {}: {e}", redact_url(url)))?;
-    Ok(crate::migrate_async(conn).await?.0)
+    let database = admin_url(url).map(|(_, name)| name).unwrap_or_default();
+    let applied = match crate::migrate_async(conn).await {
+        Ok((applied, _)) => applied,
+        Err(e) => return Err(missing_privilege(&e.to_string(), &database).unwrap_or(e.into())),
+    };
+    // Roles given rights by `postbox grant` get them on what migrations created (and back where
+    // someone took some of them).
+    let store = Store::connect(url, 1).await?;
+    for (role, kind, done) in store.regrant().await? {
+        match done {
+            Ok(()) => tracing::info!(role, kind = kind.name(), "granted again"),
+            Err(e) => tracing::warn!(
+                role,
+                kind = kind.name(),
+                error = %e,
+                "could not grant again: run `postbox grant`"
+            ),
+        }
+    }
+    Ok(applied)
+}
+
+/// A migration refused for want of a privilege, said with the privilege it needs.
+fn missing_privilege(error: &str, database: &str) -> Option<RelayError> {
+    let needs = if error.contains("permission denied for database") {
+        format!(
+            "the migrating role needs CREATE on database {database} to create schema postbox \
+             (GRANT CREATE ON DATABASE {database} TO the role), or to be the database's owner"
+        )
+    } else if error.contains("permission denied for schema public") {
+        "the migrating role needs CREATE on schema public, where diesel keeps \
+         __diesel_schema_migrations (GRANT CREATE ON SCHEMA public TO the role; PostgreSQL 15 \
+         no longer gives it to every role)"
+            .to_owned()
+    } else if error.contains("must be owner of") || error.contains("permission denied") {
+        "the migrating role must own schema postbox and its objects: run `postbox migrate` as the \
+         role that ran it first (the relay and the apps need not: see `postbox grant`)"
+            .to_owned()
+    } else {
+        return None;
+    };
+    Some(RelayError::Runtime(anyhow::anyhow!(
+        "migrate: {}\n{needs}",
+        error.trim()
+    )))
 }
 
 /// Opens the store, retrying with back-off while the database is unreachable (a relay that

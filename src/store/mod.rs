@@ -21,6 +21,8 @@ mod dead;
 #[cfg(feature = "async")]
 mod explain;
 #[cfg(feature = "async")]
+pub mod grant;
+#[cfg(feature = "async")]
 mod hold;
 #[cfg(feature = "async")]
 mod lenient;

@@ -133,6 +133,12 @@ FROM pg_stat_user_tables
 WHERE schemaname = 'postbox' AND relname ~ '^completed_[0-9]{8}_[0-9]{2}$'";
 
 const PARTITIONS: &str = "SELECT postbox.completed_partitions(make_interval(secs => $1)) AS n";
+/// Whether this session owns `postbox.completed` (else the partitions are dropped through
+/// `postbox.drop_expired_completed`, which runs as the owner).
+const OWNS_COMPLETED: &str = "SELECT pg_catalog.pg_has_role(c.relowner, 'USAGE') AS owner
+FROM pg_catalog.pg_class c WHERE c.oid = 'postbox.completed'::regclass";
+const DROP_EXPIRED: &str =
+    "SELECT postbox.drop_expired_completed(now() - make_interval(secs => $1)) AS n";
 const EXPIRED: &str =
     "SELECT name, detach_pending FROM postbox.completed_expired(now() - make_interval(secs => $1))";
 
@@ -168,10 +174,28 @@ impl Store {
 
     /// Retention upkeep, safe on every replica at once: creates the hourly partitions of
     /// `postbox.completed` from this hour to `COMPLETED_AHEAD` (a day), and detaches (concurrently: the
-    /// settle path is never blocked) and drops those whose hour ended more than `keep` ago.
+    /// settle path is never blocked) and drops those whose hour ended more than `keep` ago. A
+    /// relay that does not own the table (a role given by `postbox grant --relay`) detaches them
+    /// at once instead, under a two-second lock timeout, as the owner.
     pub async fn maintain_completed(&self, keep: Duration) -> Result<Maintained> {
+        #[derive(QueryableByName)]
+        struct Owner {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            owner: bool,
+        }
         let created = self.prepare_completed().await?;
         let mut conn = self.conn().await?;
+        let o: Owner = diesel::sql_query(OWNS_COMPLETED)
+            .get_result(&mut conn)
+            .await?;
+        if !o.owner {
+            let dropped: Count = diesel::sql_query(DROP_EXPIRED)
+                .bind::<Double, _>(keep.as_secs_f64())
+                .get_result(&mut conn)
+                .await?;
+            let dropped = usize::try_from(dropped.n).unwrap_or(0);
+            return Ok(Maintained { created, dropped });
+        }
         let expired: Vec<Expired> = diesel::sql_query(EXPIRED)
             .bind::<Double, _>(keep.as_secs_f64())
             .load(&mut conn)

@@ -406,7 +406,8 @@ $_$;
 --
 
 CREATE FUNCTION postbox.completed_partitions(p_ahead interval) RETURNS integer
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'postbox', 'pg_temp'
     AS $$
 DECLARE
     v_hour timestamptz := date_trunc('hour', now(), 'UTC');
@@ -426,6 +427,34 @@ BEGIN
     RETURN v_created;
 END
 $$;
+
+--
+-- Name: drop_expired_completed(timestamp with time zone); Type: FUNCTION; Schema: postbox; Owner: -
+--
+
+CREATE FUNCTION postbox.drop_expired_completed(p_before timestamp with time zone) RETURNS integer
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'postbox', 'pg_temp'
+    SET lock_timeout TO '2s'
+    AS $_$
+DECLARE
+    v record;
+    v_dropped integer := 0;
+BEGIN
+    PERFORM pg_advisory_xact_lock(1886352247, 0);
+    FOR v IN SELECT * FROM postbox.completed_expired(p_before) LOOP
+        -- The name matched ^completed_[0-9]{8}_[0-9]{2}$ (completed_expired): quoted all the same.
+        IF v.detach_pending THEN
+            EXECUTE format('ALTER TABLE postbox.completed DETACH PARTITION postbox.%I FINALIZE', v.name);
+        ELSE
+            EXECUTE format('ALTER TABLE postbox.completed DETACH PARTITION postbox.%I', v.name);
+        END IF;
+        EXECUTE format('DROP TABLE postbox.%I', v.name);
+        v_dropped := v_dropped + 1;
+    END LOOP;
+    RETURN v_dropped;
+END
+$_$;
 
 --
 -- Name: hand_over(text[], text[], bigint[], integer, double precision, bigint, text); Type: FUNCTION; Schema: postbox; Owner: -
@@ -520,10 +549,11 @@ $$;
 --
 
 CREATE FUNCTION postbox.messages_after_replay() RETURNS trigger
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
     SET enable_seqscan TO 'off'
     SET enable_bitmapscan TO 'off'
     SET jit TO 'off'
+    SET search_path TO 'pg_catalog', 'postbox', 'pg_temp'
     AS $$
 BEGIN
     UPDATE postbox.messages SET state = 'waiting'
@@ -538,11 +568,12 @@ $$;
 --
 
 CREATE FUNCTION postbox.messages_before_insert() RETURNS trigger
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
     SET enable_seqscan TO 'off'
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
     SET jit TO 'off'
+    SET search_path TO 'pg_catalog', 'postbox', 'pg_temp'
     AS $$
 DECLARE
     v_head record;
@@ -602,11 +633,12 @@ $$;
 --
 
 CREATE FUNCTION postbox.messages_check_head() RETURNS trigger
-    LANGUAGE plpgsql
+    LANGUAGE plpgsql SECURITY DEFINER
     SET enable_seqscan TO 'off'
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
     SET jit TO 'off'
+    SET search_path TO 'pg_catalog', 'postbox', 'pg_temp'
     AS $$
 DECLARE
     v_head record;
@@ -1353,6 +1385,17 @@ CREATE TABLE postbox.dead_letters (
 );
 
 --
+-- Name: grants; Type: TABLE; Schema: postbox; Owner: -
+--
+
+CREATE TABLE postbox.grants (
+    role text NOT NULL,
+    kind text NOT NULL,
+    granted_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT grants_kind_check CHECK ((kind = ANY (ARRAY['writer'::text, 'relay'::text, 'operator'::text])))
+);
+
+--
 -- Name: holds; Type: TABLE; Schema: postbox; Owner: -
 --
 
@@ -1449,6 +1492,13 @@ ALTER TABLE ONLY postbox.behind
 
 ALTER TABLE ONLY postbox.dead_letters
     ADD CONSTRAINT dead_letters_pkey PRIMARY KEY (id);
+
+--
+-- Name: grants grants_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -
+--
+
+ALTER TABLE ONLY postbox.grants
+    ADD CONSTRAINT grants_pkey PRIMARY KEY (role, kind);
 
 --
 -- Name: holds holds_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -

@@ -1,0 +1,486 @@
+//! Least privilege against a real PostgreSQL with real roles: `postbox grant` gives a writer, a
+//! relay and an operator what each needs, each does its work logged in as itself, and each
+//! forbidden action fails with a permission error. Every test runs a server of its own (roles are
+//! the server's, not a database's: no test sees another's).
+
+mod common;
+
+use std::process::Output;
+
+use common::{OwnServer, TestDb, hermetic};
+use diesel::connection::SimpleConnection;
+use diesel::{Connection, PgConnection, RunQueryDsl};
+use postbox::Message;
+use postbox::store::grant::{RoleKind, TABLES, grant_sql};
+
+const BIN: &str = env!("CARGO_BIN_EXE_postbox");
+
+fn postbox(url: &str, args: &[&str]) -> Output {
+    let mut cmd = hermetic(BIN);
+    cmd.args(["--database-url", url])
+        .args(args)
+        .env("POSTBOX_LOG", "info")
+        .env("POSTBOX_METRICS_LISTEN", "off");
+    cmd.output().expect("run postbox")
+}
+
+fn ok(out: &Output) -> String {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "postbox failed: {text}");
+    text
+}
+
+/// A URL of `server` for `role` (trust auth: no password).
+fn as_role(server: &OwnServer, role: &str, db: &str) -> String {
+    format!("postgres://{role}@127.0.0.1:{}/{db}", server.port)
+}
+
+/// A server of its own with postbox migrated into database `postbox`, and the login roles
+/// `app` (a writer), `relayer` (a relay) and `oncall` (an operator), each a member of the NOLOGIN
+/// role `postbox grant` created.
+fn setup() -> (OwnServer, TestDb) {
+    let server = OwnServer::start(&["wal_level=logical", "max_wal_senders=4"]);
+    let db = server.migrated();
+    let out = postbox(
+        &db.url,
+        &[
+            "grant",
+            "--writer",
+            "postbox_writer",
+            "--relay",
+            "postbox_relay",
+            "--operator",
+            "postbox_operator",
+        ],
+    );
+    let text = ok(&out);
+    for role in ["postbox_writer", "postbox_relay", "postbox_operator"] {
+        assert!(text.contains(&format!("created role {role}")), "{text}");
+    }
+    db.exec(
+        "CREATE ROLE app LOGIN IN ROLE postbox_writer;
+         CREATE ROLE relayer LOGIN IN ROLE postbox_relay;
+         CREATE ROLE oncall LOGIN IN ROLE postbox_operator;",
+    );
+    (server, db)
+}
+
+/// Runs `sql` as the connection's role; the error it fails with.
+fn refused(conn: &mut PgConnection, sql: &str) -> String {
+    match conn.batch_execute(sql) {
+        Ok(()) => panic!("{sql}: allowed, should have been refused"),
+        Err(e) => {
+            let e = e.to_string();
+            assert!(
+                e.contains("permission denied") || e.contains("must be owner"),
+                "{sql}: refused, but not for a privilege: {e}"
+            );
+            e
+        }
+    }
+}
+
+#[derive(diesel::QueryableByName)]
+struct V {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    v: i64,
+}
+
+fn scalar(conn: &mut PgConnection, sql: &str) -> i64 {
+    diesel::sql_query(sql).get_result::<V>(conn).unwrap().v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_enqueues_and_publishes_and_can_do_nothing_else() {
+    let (server, db) = setup();
+    // Stream mode set up by the schema's owner: the writer's publish must pass its slot check.
+    db.store()
+        .await
+        .stream_setup("postbox", "postbox_stream")
+        .await
+        .unwrap();
+    let url = as_role(&server, "app", "postbox");
+    let mut app = PgConnection::establish(&url).unwrap();
+
+    // Sync enqueue, in the app's own transaction: an ordered key (the second waits behind the
+    // first: the writer's insert ran the key's order as the owner), a scheduled message, and a
+    // dedup key given twice.
+    app.transaction::<_, postbox::Error, _>(|c| {
+        postbox::enqueue_many(
+            c,
+            &[
+                Message::new("orders")
+                    .payload(&serde_json::json!({"n": 1}))
+                    .key("o-1")
+                    .ordered(),
+                Message::new("orders")
+                    .payload(&serde_json::json!({"n": 2}))
+                    .key("o-1")
+                    .ordered(),
+                Message::new("mail")
+                    .payload(&serde_json::json!({}))
+                    .delay(std::time::Duration::from_secs(3600)),
+            ],
+        )?;
+        Ok(())
+    })
+    .unwrap();
+    let first = postbox::enqueue(
+        &mut app,
+        &Message::new("mail")
+            .payload(&serde_json::json!({}))
+            .dedup_key("welcome-7"),
+    )
+    .unwrap();
+    let again = postbox::enqueue(
+        &mut app,
+        &Message::new("mail")
+            .payload(&serde_json::json!({}))
+            .dedup_key("welcome-7"),
+    )
+    .unwrap();
+    assert!(matches!(first, postbox::Enqueued::New(_)), "{first:?}");
+    assert_eq!(
+        again,
+        postbox::Enqueued::Duplicate {
+            existing: first.id()
+        }
+    );
+    // Async enqueue and publish, and plain SQL.
+    {
+        use diesel_async::AsyncConnection;
+        let mut a = diesel_async::AsyncPgConnection::establish(&url)
+            .await
+            .unwrap();
+        postbox::enqueue_async(
+            &mut a,
+            &Message::new("orders").payload(&serde_json::json!({"n": 3})),
+        )
+        .await
+        .unwrap();
+        postbox::publish_async(
+            &mut a,
+            &Message::new("events").payload(&serde_json::json!({"e": 1})),
+        )
+        .await
+        .unwrap();
+    }
+    postbox::publish(
+        &mut app,
+        &Message::new("events").payload(&serde_json::json!({"e": 2})),
+    )
+    .unwrap();
+    app.batch_execute("INSERT INTO postbox.messages (topic, payload) VALUES ('sql', '{}')")
+        .unwrap();
+
+    let mut owner = db.conn();
+    assert_eq!(
+        scalar(&mut owner, "SELECT count(*) AS v FROM postbox.messages"),
+        6
+    );
+    assert_eq!(
+        scalar(
+            &mut owner,
+            "SELECT count(*) AS v FROM postbox.messages WHERE key = 'o-1' AND state = 'waiting'"
+        ),
+        1
+    );
+    assert_eq!(
+        scalar(
+            &mut owner,
+            "SELECT count(*) AS v FROM postbox.messages WHERE topic = 'mail' AND state = 'scheduled'"
+        ),
+        1
+    );
+
+    // Nothing else: no payload, no dead letter, no change to a message, no relay's work, no
+    // schema change, no way around the state model by naming a column it does not own.
+    for sql in [
+        "SELECT payload FROM postbox.messages",
+        "SELECT headers FROM postbox.messages",
+        "SELECT * FROM postbox.dead_letters",
+        "SELECT * FROM postbox.completed",
+        "UPDATE postbox.messages SET priority = 1",
+        "DELETE FROM postbox.messages",
+        "INSERT INTO postbox.messages (topic, payload, state) VALUES ('t', '{}', 'running')",
+        "INSERT INTO postbox.messages (topic, payload, attempts) VALUES ('t', '{}', 99)",
+        "INSERT INTO postbox.dead_letters (id, topic, payload) VALUES (1, 't', '{}')",
+        "SELECT * FROM postbox.claim(10, 30, true, '{}', '{}', '{}', '{}', 1, 'w')",
+        "SELECT postbox.completed_partitions('1 hour')",
+        "INSERT INTO postbox.pauses (pattern) VALUES ('orders')",
+        "CREATE TABLE postbox.mine (id int)",
+        "ALTER TABLE postbox.messages ADD COLUMN mine int",
+    ] {
+        refused(&mut app, sql);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_delivers_and_keeps_retention_without_owning_the_schema() {
+    let (server, db) = setup();
+    postbox::enqueue_many(
+        &mut db.conn(),
+        &(0..20)
+            .map(|i| {
+                Message::new("orders")
+                    .payload(&serde_json::json!({ "i": i }))
+                    .key(format!("k{}", i % 3))
+                    .ordered()
+            })
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    // An hourly partition long expired, made by the owner: the relay's upkeep must drop it.
+    db.exec(
+        "CREATE TABLE postbox.completed_20200101_00 PARTITION OF postbox.completed
+         FOR VALUES FROM ('2020-01-01 00:00+00') TO ('2020-01-01 01:00+00')",
+    );
+    let url = as_role(&server, "relayer", "postbox");
+    let config = std::env::temp_dir().join(format!("postbox-roles-{}.toml", server.port));
+    std::fs::write(&config, "[retention]\nkeep_completed = \"1h\"\n").unwrap();
+    let out = postbox(
+        &url,
+        &["--config", config.to_str().unwrap(), "run", "--drain"],
+    );
+    let _ = std::fs::remove_file(&config);
+    ok(&out);
+    let mut owner = db.conn();
+    assert_eq!(
+        scalar(&mut owner, "SELECT count(*) AS v FROM postbox.messages"),
+        0
+    );
+    assert_eq!(
+        scalar(&mut owner, "SELECT count(*) AS v FROM postbox.completed"),
+        20
+    );
+
+    // The drain's upkeep dropped the expired partition through the function that runs as the
+    // owner (the relay role cannot detach a partition of a table it does not own).
+    let expired = "SELECT count(*) AS v FROM pg_class WHERE relname LIKE 'completed_2020%'";
+    assert_eq!(scalar(&mut owner, expired), 0);
+    // And the upkeep called as the library does it, as the relay role.
+    db.exec(
+        "CREATE TABLE postbox.completed_20200101_01 PARTITION OF postbox.completed
+         FOR VALUES FROM ('2020-01-01 01:00+00') TO ('2020-01-01 02:00+00')",
+    );
+    let store = postbox::Store::connect(&url, 2).await.unwrap();
+    let m = store
+        .maintain_completed(std::time::Duration::from_secs(3600))
+        .await
+        .unwrap();
+    assert_eq!(m.dropped, 1, "{m:?}");
+    assert_eq!(scalar(&mut owner, expired), 0);
+
+    let mut relay = PgConnection::establish(&url).unwrap();
+    for sql in [
+        "CREATE TABLE postbox.mine (id int)",
+        "ALTER TABLE postbox.messages ADD COLUMN mine int",
+        "DROP TABLE postbox.dead_letters",
+        "DROP INDEX postbox.messages_available_idx",
+        "CREATE OR REPLACE FUNCTION postbox.wake() RETURNS void LANGUAGE sql AS 'SELECT'",
+        "SELECT * FROM postbox.grants",
+        "TRUNCATE postbox.messages",
+    ] {
+        refused(&mut relay, sql);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_pauses_cancels_replays_and_purges_and_changes_no_schema() {
+    let (server, db) = setup();
+    let url = as_role(&server, "oncall", "postbox");
+    postbox::enqueue_many(
+        &mut db.conn(),
+        &(0..6)
+            .map(|i| {
+                Message::new("acct")
+                    .payload(&serde_json::json!({ "i": i }))
+                    .key("a")
+                    .ordered()
+            })
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let mut owner = db.conn();
+    let count = |owner: &mut PgConnection, sql: &str| scalar(owner, sql);
+
+    ok(&postbox(&url, &["pause", "acct"]));
+    assert_eq!(
+        count(&mut owner, "SELECT count(*) AS v FROM postbox.pauses"),
+        1
+    );
+    ok(&postbox(&url, &["status"]));
+    ok(&postbox(&url, &["check"]));
+    ok(&postbox(&url, &["cancel", "--topic", "acct"]));
+    assert_eq!(
+        count(&mut owner, "SELECT count(*) AS v FROM postbox.messages"),
+        0
+    );
+    assert_eq!(
+        count(&mut owner, "SELECT count(*) AS v FROM postbox.dead_letters"),
+        6
+    );
+    ok(&postbox(&url, &["dead", "list"]));
+    let id = count(&mut owner, "SELECT min(id) AS v FROM postbox.dead_letters");
+    ok(&postbox(&url, &["show", &id.to_string()]));
+    ok(&postbox(&url, &["dead", "replay", "--id", &id.to_string()]));
+    assert_eq!(
+        count(&mut owner, "SELECT count(*) AS v FROM postbox.messages"),
+        1
+    );
+    ok(&postbox(&url, &["dead", "replay", "--topic", "acct"]));
+    assert_eq!(
+        count(&mut owner, "SELECT count(*) AS v FROM postbox.messages"),
+        6
+    );
+    assert_eq!(
+        count(
+            &mut owner,
+            "SELECT count(*) AS v FROM postbox.messages WHERE state <> 'waiting'"
+        ),
+        1,
+        "the replayed key has one head"
+    );
+    ok(&postbox(&url, &["cancel", "--topic", "acct"]));
+    ok(&postbox(&url, &["dead", "purge", "--all"]));
+    assert_eq!(
+        count(&mut owner, "SELECT count(*) AS v FROM postbox.dead_letters"),
+        0
+    );
+    ok(&postbox(&url, &["resume", "acct"]));
+    assert_eq!(
+        count(&mut owner, "SELECT count(*) AS v FROM postbox.pauses"),
+        0
+    );
+    ok(&postbox(
+        &url,
+        &["enqueue", "--topic", "acct", "--payload", "{}"],
+    ));
+    assert_eq!(
+        count(&mut owner, "SELECT count(*) AS v FROM postbox.messages"),
+        1
+    );
+
+    let mut operator = PgConnection::establish(&url).unwrap();
+    for sql in [
+        "CREATE TABLE postbox.mine (id int)",
+        "ALTER TABLE postbox.messages ADD COLUMN mine int",
+        "DROP TABLE postbox.pauses",
+        "SELECT postbox.completed_partitions('1 hour')",
+        "SELECT postbox.drop_expired_completed(now())",
+        "DELETE FROM postbox.holds",
+        "DELETE FROM postbox.completed",
+        "SELECT * FROM postbox.grants",
+    ] {
+        refused(&mut operator, sql);
+    }
+}
+
+/// What `postbox grant` recorded is given again by `postbox migrate` (to what later migrations
+/// create), and `--revoke` takes everything back.
+#[test]
+fn migrate_grants_again_and_revoke_takes_everything_back() {
+    let (server, db) = setup();
+    let url = as_role(&server, "app", "postbox");
+    // As if a later migration had made the table anew: its grants are gone.
+    db.exec("REVOKE ALL ON postbox.messages FROM postbox_writer");
+    let mut app = PgConnection::establish(&url).unwrap();
+    refused(
+        &mut app,
+        "INSERT INTO postbox.messages (topic, payload) VALUES ('t', '{}')",
+    );
+    ok(&postbox(&db.url, &["migrate"]));
+    app.batch_execute("INSERT INTO postbox.messages (topic, payload) VALUES ('t', '{}')")
+        .unwrap();
+
+    let text = ok(&postbox(&db.url, &["grant", "--revoke", "postbox_writer"]));
+    assert!(text.contains("granted as: writer"), "{text}");
+    refused(
+        &mut app,
+        "INSERT INTO postbox.messages (topic, payload) VALUES ('t', '{}')",
+    );
+    ok(&postbox(&db.url, &["migrate"]));
+    refused(
+        &mut app,
+        "INSERT INTO postbox.messages (topic, payload) VALUES ('t', '{}')",
+    );
+
+    // Only the owner grants.
+    let out = postbox(
+        &as_role(&server, "oncall", "postbox"),
+        &["grant", "--writer", "app"],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("owner of schema postbox"), "{err}");
+}
+
+/// `postbox migrate` as a role that may not create the schema names the privilege it lacks.
+#[test]
+fn migrate_names_the_privilege_it_lacks() {
+    let server = OwnServer::start(&[]);
+    let mut admin = PgConnection::establish(&server.url("postgres")).unwrap();
+    admin.batch_execute("CREATE DATABASE app").unwrap();
+    admin.batch_execute("CREATE ROLE deployer LOGIN").unwrap();
+    let migrate = || postbox(&as_role(&server, "deployer", "app"), &["migrate"]);
+    // diesel's table of migrations first: in schema public, where PostgreSQL 15 and later let
+    // only the database's owner create.
+    let out = migrate();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("CREATE on schema public"), "{err}");
+    PgConnection::establish(&server.url("app"))
+        .unwrap()
+        .batch_execute("GRANT CREATE ON SCHEMA public TO deployer")
+        .unwrap();
+    // Then schema postbox.
+    let out = migrate();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("CREATE on database app"), "{err}");
+    admin
+        .batch_execute("GRANT CREATE ON DATABASE app TO deployer")
+        .unwrap();
+    ok(&migrate());
+}
+
+/// Every table of the schema has a decision for each role, and the SQL `--sql` prints is the SQL
+/// `postbox grant` runs.
+#[test]
+fn every_table_is_in_the_grant_list_and_the_printed_sql_is_the_run_sql() {
+    let db = TestDb::migrated();
+    #[derive(diesel::QueryableByName)]
+    struct T {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        t: String,
+    }
+    let mut tables: Vec<String> = diesel::sql_query(
+        "SELECT c.relname::text AS t FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE n.nspname = 'postbox' AND c.relkind IN ('r', 'p') AND NOT c.relispartition
+         ORDER BY 1",
+    )
+    .load::<T>(&mut db.conn())
+    .unwrap()
+    .into_iter()
+    .map(|t| t.t)
+    .collect();
+    tables.sort();
+    let mut listed: Vec<String> = TABLES.iter().map(|t| t.table.to_owned()).collect();
+    listed.sort();
+    assert_eq!(
+        tables, listed,
+        "src/store/grant.rs TABLES must name every table"
+    );
+
+    let out = postbox(&db.url, &["grant", "--sql", "--writer", "app"]);
+    let text = ok(&out);
+    for s in grant_sql(RoleKind::Writer, "app") {
+        assert!(text.contains(&format!("{s};")), "{s} not in:\n{text}");
+    }
+    // Printing changes nothing.
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.grants"), 0);
+}
