@@ -214,9 +214,97 @@ async fn a_writer_enqueues_and_publishes_and_can_do_nothing_else() {
         "INSERT INTO postbox.pauses (pattern) VALUES ('orders')",
         "CREATE TABLE postbox.mine (id int)",
         "ALTER TABLE postbox.messages ADD COLUMN mine int",
+        // The triggers that run as the owner cannot be put on a table of the writer's own (whose
+        // column types it would choose, to run code of its own as the owner).
+        "CREATE TEMP TABLE t (id bigint, topic text, key text, ordered boolean, state postbox.message_state);
+         CREATE TRIGGER t_replay AFTER INSERT ON t FOR EACH ROW EXECUTE FUNCTION postbox.messages_after_replay()",
+        "CREATE TEMP TABLE t2 (id bigint, topic text, key text, ordered boolean, run_at timestamptz, state postbox.message_state);
+         CREATE TRIGGER t_state BEFORE INSERT ON t2 FOR EACH ROW EXECUTE FUNCTION postbox.messages_before_insert()",
     ] {
         refused(&mut app, sql);
     }
+    // Nor by a role given EXECUTE on them by hand: they run on postbox.messages only.
+    owner
+        .batch_execute("GRANT EXECUTE ON FUNCTION postbox.messages_after_replay() TO app")
+        .unwrap();
+    let mut app = PgConnection::establish(&url).unwrap();
+    refused(
+        &mut app,
+        "CREATE TEMP TABLE t (id bigint, topic text, key text, ordered boolean, state postbox.message_state);
+         CREATE TRIGGER t_replay AFTER INSERT ON t FOR EACH ROW EXECUTE FUNCTION postbox.messages_after_replay();
+         INSERT INTO t VALUES (1, 'orders', 'o-1', true, 'available')",
+    );
+    assert_eq!(
+        scalar(
+            &mut owner,
+            "SELECT count(*) AS v FROM postbox.messages WHERE key = 'o-1' AND state = 'waiting'"
+        ),
+        1
+    );
+}
+
+/// A writer that sets `postbox.keep_ids` (a replay's setting) cannot keep an id drawn early: its
+/// message takes its place in the key when it takes the key's lock, behind a writer that committed
+/// meanwhile, as any writer's does.
+#[test]
+fn a_writer_cannot_keep_an_early_id_to_jump_ahead_of_its_key() {
+    let (server, db) = setup();
+    let url = as_role(&server, "app", "postbox");
+    let mut owner = db.conn();
+    // The early writer's payload waits on a lock the test holds: its id is drawn, its row not yet
+    // built (the identity default comes before the other values of a VALUES row).
+    owner
+        .batch_execute("SELECT pg_advisory_lock(4242)")
+        .unwrap();
+    let early = {
+        let url = url.clone();
+        std::thread::spawn(move || {
+            let mut c = PgConnection::establish(&url).unwrap();
+            c.batch_execute(
+                "BEGIN; SET LOCAL postbox.keep_ids = on;
+                 INSERT INTO postbox.messages (topic, key, ordered, payload)
+                 VALUES ('race', 'k', true, jsonb_build_object('w', pg_advisory_lock_shared(4242)::text));
+                 COMMIT",
+            )
+        })
+    };
+    let waiting = "SELECT count(*) AS v FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242 AND NOT granted";
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while scalar(&mut owner, waiting) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the early writer never reached its payload"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let mut late = PgConnection::establish(&url).unwrap();
+    late.batch_execute(
+        "INSERT INTO postbox.messages (topic, key, ordered, payload) VALUES ('race', 'k', true, '{\"w\": \"late\"}')",
+    )
+    .unwrap();
+    owner
+        .batch_execute("SELECT pg_advisory_unlock(4242)")
+        .unwrap();
+    early.join().unwrap().unwrap();
+    #[derive(diesel::QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        state: String,
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        w: String,
+    }
+    let rows: Vec<Row> = diesel::sql_query(
+        "SELECT state::text AS state, payload ->> 'w' AS w FROM postbox.messages WHERE key = 'k' ORDER BY id",
+    )
+    .load(&mut owner)
+    .unwrap();
+    let got: Vec<(&str, &str)> = rows
+        .iter()
+        .map(|r| (r.w.as_str(), r.state.as_str()))
+        .collect();
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0], ("late", "available"), "{got:?}");
+    assert_eq!(got[1].1, "waiting", "{got:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

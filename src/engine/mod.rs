@@ -1,4 +1,4 @@
-//! The engine (README, "How it works"): producer (claim loop), dispatcher (deliveries under a concurrency
+//! The engine (the book, "Internals"): producer (claim loop), dispatcher (deliveries under a concurrency
 //! limit, leases extended while they run), completer (batched outcomes), notifier (LISTEN with
 //! a polling fallback), maintenance (rescue), graceful shutdown. The same engine runs embedded in
 //! an app with [`Handlers`](crate::sink::handlers) and inside the relay with other sinks.

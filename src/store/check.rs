@@ -1,4 +1,4 @@
-//! The invariants of the state model (README, "States"), checked and repaired: every ordered key with
+//! The invariants of the state model (the book, "Message life cycle"), checked and repaired: every ordered key with
 //! waiting messages has exactly one head; no hold is kept open past its limit.
 
 use diesel::QueryableByName;

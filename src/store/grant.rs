@@ -136,6 +136,13 @@ const RELAY_ONLY_FUNCTIONS: &[&str] = &[
     "postbox.completed_partitions(interval)",
     "postbox.drop_expired_completed(timestamptz)",
 ];
+/// Trigger functions that run as the schema's owner: for postbox.messages' own triggers, which
+/// run them without EXECUTE, and for no role to attach to a table of its own.
+const OWNER_TRIGGERS: &[&str] = &[
+    "postbox.messages_before_insert()",
+    "postbox.messages_check_head()",
+    "postbox.messages_after_replay()",
+];
 
 /// `role` as an SQL identifier.
 pub fn quote_ident(role: &str) -> String {
@@ -175,18 +182,18 @@ pub fn grant_sql(kind: RoleKind, role: &str) -> Vec<String> {
             sql.push(format!(
                 "GRANT USAGE, SELECT, UPDATE ON ALL SEQUENCES IN SCHEMA postbox TO {r}"
             ));
-            if kind == RoleKind::Relay {
-                sql.push(format!(
-                    "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA postbox TO {r}"
-                ));
+            // Every function but the owner's triggers (and for an operator, the relay's upkeep),
+            // which PUBLIC cannot run either.
+            sql.push(format!(
+                "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA postbox TO {r}"
+            ));
+            let relay_only = if kind == RoleKind::Operator {
+                RELAY_ONLY_FUNCTIONS
             } else {
-                // Every function but the relay's upkeep, which PUBLIC cannot run either.
-                sql.push(format!(
-                    "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA postbox TO {r}"
-                ));
-                for f in RELAY_ONLY_FUNCTIONS {
-                    sql.push(format!("REVOKE EXECUTE ON FUNCTION {f} FROM {r}"));
-                }
+                &[]
+            };
+            for f in OWNER_TRIGGERS.iter().chain(relay_only) {
+                sql.push(format!("REVOKE EXECUTE ON FUNCTION {f} FROM {r}"));
             }
         }
     }

@@ -1,6 +1,6 @@
 //! The store: the only module that speaks SQL.
 //!
-//! One function per state transition of the message state model (README, "States"). Every transition on a claimed message names it
+//! One function per state transition of the message state model (the book, "Message life cycle"). Every transition on a claimed message names it
 //! by its [`Lease`] (id and lease token), so a late call from a lease that expired and was claimed
 //! again matches no row: it changes nothing and comes back in the report's `fenced` list.
 

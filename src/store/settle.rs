@@ -163,7 +163,7 @@ macro_rules! dead_columns {
     };
 }
 
-/// The backoff (README, "Backoff"), in SQL so that `run_at` is computed on the database clock:
+/// The backoff (the book, "Message life cycle: Backoff"), in SQL so that `run_at` is computed on the database clock:
 /// `min(cap, base * 2^(attempts-1)) * (1 + jitter * u)`, `u` uniform in [-1, 1).
 /// Arguments: the placeholders of base seconds, cap seconds and jitter.
 macro_rules! backoff_sql {

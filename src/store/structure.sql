@@ -415,7 +415,7 @@ DECLARE
     v_created integer := 0;
 BEGIN
     PERFORM pg_advisory_xact_lock(1886352247, 0);
-    WHILE v_hour < now() + p_ahead LOOP
+    WHILE v_hour < now() + least(p_ahead, interval '7 days') LOOP
         v_name := 'completed_' || to_char(v_hour AT TIME ZONE 'UTC', 'YYYYMMDD"_"HH24');
         IF to_regclass(format('postbox.%I', v_name)) IS NULL THEN
             EXECUTE format('CREATE TABLE postbox.%I PARTITION OF postbox.completed FOR VALUES FROM (%L) TO (%L)',
@@ -442,7 +442,7 @@ DECLARE
     v_dropped integer := 0;
 BEGIN
     PERFORM pg_advisory_xact_lock(1886352247, 0);
-    FOR v IN SELECT * FROM postbox.completed_expired(p_before) LOOP
+    FOR v IN SELECT * FROM postbox.completed_expired(least(p_before, now())) LOOP
         -- The name matched ^completed_[0-9]{8}_[0-9]{2}$ (completed_expired): quoted all the same.
         IF v.detach_pending THEN
             EXECUTE format('ALTER TABLE postbox.completed DETACH PARTITION postbox.%I FINALIZE', v.name);
@@ -463,6 +463,15 @@ $_$;
 CREATE FUNCTION postbox.hand_over(p_topics text[], p_keys text[], p_removed bigint[], p_limit integer, p_lease_secs double precision, p_token bigint, p_owner text) RETURNS SETOF postbox.messages
     LANGUAGE sql
     AS $$ SELECT * FROM postbox.promote_keys(p_topics, p_keys, p_removed, false, p_limit, p_lease_secs, p_token, p_owner) $$;
+
+--
+-- Name: keeps_ids(); Type: FUNCTION; Schema: postbox; Owner: -
+--
+
+CREATE FUNCTION postbox.keeps_ids() RETURNS boolean
+    LANGUAGE sql STABLE
+    AS $$ SELECT coalesce(current_setting('postbox.keep_ids', true) = 'on', false)
+             AND pg_catalog.has_column_privilege(session_user, 'postbox.messages'::regclass, 'id', 'INSERT') $$;
 
 --
 -- Name: key_lock_id(text, text); Type: FUNCTION; Schema: postbox; Owner: -
@@ -550,12 +559,19 @@ $$;
 
 CREATE FUNCTION postbox.messages_after_replay() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'postbox', 'pg_temp'
     SET enable_seqscan TO 'off'
     SET enable_bitmapscan TO 'off'
     SET jit TO 'off'
-    SET search_path TO 'pg_catalog', 'postbox', 'pg_temp'
     AS $$
 BEGIN
+    IF TG_RELID <> 'postbox.messages'::regclass THEN
+        RAISE EXCEPTION 'permission denied: postbox''s trigger % runs on postbox.messages only', TG_NAME
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    IF NOT postbox.keeps_ids() THEN
+        RETURN NULL;
+    END IF;
     UPDATE postbox.messages SET state = 'waiting'
     WHERE ordered AND topic = NEW.topic AND key = NEW.key AND state <> 'waiting' AND state <> 'running'
       AND id > NEW.id;
@@ -569,15 +585,19 @@ $$;
 
 CREATE FUNCTION postbox.messages_before_insert() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'postbox', 'pg_temp'
     SET enable_seqscan TO 'off'
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
     SET jit TO 'off'
-    SET search_path TO 'pg_catalog', 'postbox', 'pg_temp'
     AS $$
 DECLARE
     v_head record;
 BEGIN
+    IF TG_RELID <> 'postbox.messages'::regclass THEN
+        RAISE EXCEPTION 'permission denied: postbox''s trigger % runs on postbox.messages only', TG_NAME
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
     IF NOT NEW.ordered THEN
         NEW.state := postbox.ready_state(NEW.run_at);
         RETURN NEW;
@@ -588,7 +608,7 @@ BEGIN
             USING ERRCODE = 'feature_not_supported';
     END IF;
     PERFORM pg_advisory_xact_lock(1886352244, postbox.key_lock_id(NEW.topic, NEW.key));
-    IF current_setting('postbox.keep_ids', true) IS DISTINCT FROM 'on' THEN
+    IF NOT postbox.keeps_ids() THEN
         NEW.id := nextval('postbox.messages_id_seq');
     END IF;
     -- A new statement sees every earlier writer of the key: they committed before we got the lock.
@@ -634,15 +654,19 @@ $$;
 
 CREATE FUNCTION postbox.messages_check_head() RETURNS trigger
     LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'postbox', 'pg_temp'
     SET enable_seqscan TO 'off'
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
     SET jit TO 'off'
-    SET search_path TO 'pg_catalog', 'postbox', 'pg_temp'
     AS $$
 DECLARE
     v_head record;
 BEGIN
+    IF TG_RELID <> 'postbox.messages'::regclass THEN
+        RAISE EXCEPTION 'permission denied: postbox''s trigger % runs on postbox.messages only', TG_NAME
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
     PERFORM pg_advisory_xact_lock(1886352245, postbox.key_lock_id(NEW.topic, NEW.key));
     SELECT id, state INTO v_head FROM postbox.messages
     WHERE ordered AND topic = NEW.topic AND key = NEW.key AND state <> 'waiting'
@@ -666,7 +690,7 @@ BEGIN
             RETURN NULL;
         END IF;
     END IF;
-    IF current_setting('postbox.keep_ids', true) = 'on'
+    IF postbox.keeps_ids()
        AND EXISTS (SELECT 1 FROM postbox.messages WHERE id = NEW.id AND state::text = 'waiting') THEN
         INSERT INTO postbox.behind (topic, key, id) VALUES (NEW.topic, NEW.key, NEW.id)
         ON CONFLICT DO NOTHING;

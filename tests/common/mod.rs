@@ -36,7 +36,7 @@ pub fn hermetic(bin: &str) -> std::process::Command {
 
 fn admin() -> PgConnection {
     PgConnection::establish(&format!("{}/postgres", server_url()))
-        .expect("PostgreSQL must be running (see README: Tests)")
+        .expect("PostgreSQL must be running (see docs/src/contributing/tests.md)")
 }
 
 /// Name of the template for the current migrations: a new one whenever they change.
