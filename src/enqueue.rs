@@ -26,7 +26,10 @@ pub enum Enqueued {
     New(MessageId),
     /// Nothing was written: a live message of the same topic holds the dedup key. `existing` is
     /// its id, or `None` if it was delivered in the instant between the insert and the lookup.
-    Duplicate { existing: Option<MessageId> },
+    Duplicate {
+        /// The live message that holds the dedup key.
+        existing: Option<MessageId>,
+    },
 }
 
 impl Enqueued {

@@ -12,21 +12,34 @@ pub enum InvalidMessage {
     EmptyTopic,
     /// Topics become Kafka topic names and metric labels; keep them short.
     #[error("topic: {len} bytes, the limit is {limit}")]
-    TopicTooLong { len: usize, limit: usize },
+    TopicTooLong {
+        /// The topic's length in bytes.
+        len: usize,
+        /// The most it may have.
+        limit: usize,
+    },
     /// The payload could not be serialized to JSON.
     #[error("payload: cannot serialize to JSON: {0}")]
     PayloadNotJson(String),
     /// The serialized payload is larger than [`crate::MAX_PAYLOAD_BYTES`].
     #[error("payload: {len} bytes of JSON, the limit is {limit}")]
-    PayloadTooLarge { len: usize, limit: usize },
+    PayloadTooLarge {
+        /// The payload's length as JSON, in bytes.
+        len: usize,
+        /// The most it may have.
+        limit: usize,
+    },
     /// Headers must be a JSON object whose values are all strings.
     #[error("headers: {0}")]
     BadHeaders(String),
     /// A key is too long (over [`crate::MAX_KEY_BYTES`]).
     #[error("{field}: {len} bytes, the limit is {limit}")]
     TooLong {
+        /// The field (`key`, `dedup_key`, a header).
         field: &'static str,
+        /// Its length in bytes.
         len: usize,
+        /// The most it may have.
         limit: usize,
     },
     /// Ordering is per key: an ordered message needs one.
@@ -37,17 +50,25 @@ pub enum InvalidMessage {
     MaxAttempts(i32),
     /// PostgreSQL text and JSON cannot hold the NUL character (0x00).
     #[error("{field}: contains a NUL character (0x00), which PostgreSQL cannot store")]
-    Nul { field: &'static str },
+    Nul {
+        /// The field that holds it.
+        field: &'static str,
+    },
     /// [`crate::publish`] was given a field stream mode cannot honour: a published message goes
     /// out once, at commit, in commit order (no delay, priority, dedup key or attempts).
     #[error(
         "{field}: stream mode cannot honour it (a published message is delivered at commit, in commit order); enqueue the message instead"
     )]
-    NotInStream { field: &'static str },
+    NotInStream {
+        /// The field set (`run_at`, `delay`, `priority`, `dedup_key`, `max_attempts`).
+        field: &'static str,
+    },
     /// The run time is out of the range a message can be scheduled in.
     #[error("{field}: {problem}")]
     RunAt {
+        /// `run_at` or `delay`.
         field: &'static str,
+        /// Why it is out of range.
         problem: String,
     },
 }
@@ -74,7 +95,9 @@ pub enum Error {
     /// A caller passed an argument that cannot work (names the argument).
     #[error("{field}: {problem}")]
     InvalidArgument {
+        /// The argument.
         field: &'static str,
+        /// What is wrong with it.
         problem: String,
     },
 }

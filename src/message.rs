@@ -27,6 +27,7 @@ pub fn is_reserved_header(name: &str) -> bool {
             .eq_ignore_ascii_case(RESERVED_HEADER_PREFIX.as_bytes())
 }
 
+/// Attempts before a message is dead-lettered, when it does not say ([`Message::max_attempts`]).
 pub const DEFAULT_MAX_ATTEMPTS: i32 = 25;
 
 /// Headers named `ce_<attribute>` carry CloudEvents attributes (the Kafka binding's own naming):

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 pub struct LimitSection {
     /// Exact names or globs, as in a route.
     pub topics: Vec<String>,
+    /// At most this many of the topics' messages running at once across every relay.
     pub max_running: i64,
     /// At most `max_running` per key instead of in all.
     #[serde(default)]
@@ -41,12 +42,15 @@ pub struct ScheduleSection {
     pub cron: String,
     /// IANA name (`Europe/Berlin`); UTC when absent.
     pub timezone: Option<String>,
+    /// The topic of each tick's message.
     pub topic: String,
     /// The message's payload (any TOML value; `{}` when absent).
     pub payload: Option<toml::Value>,
     /// The payload as a JSON document instead (what the Helm chart writes).
     pub payload_json: Option<String>,
+    /// The message's key.
     pub key: Option<String>,
+    /// The message's attempts before it is dead-lettered (default 25).
     pub max_attempts: Option<i32>,
 }
 

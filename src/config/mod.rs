@@ -31,7 +31,10 @@ pub const DEFAULT_METRICS_LISTEN: &str = "0.0.0.0:9464";
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{field}: {problem}")]
 pub struct ConfigError {
+    /// The field, as a path of the file (`relay.lease`, `routes[1].format`) and, when the value came
+    /// from the environment, the variable.
     pub field: String,
+    /// What is wrong with the value.
     pub problem: String,
 }
 
@@ -66,12 +69,16 @@ fn plain_serde_message(msg: &str) -> String {
 pub struct Config {
     /// PostgreSQL URL (`sslmode=require|verify-full` supported).
     pub database_url: Option<String>,
+    /// `[relay]`: claims, leases, delivery and shutdown.
     #[serde(default)]
     pub relay: RelaySection,
+    /// `[metrics]`: the metrics and health server.
     #[serde(default)]
     pub metrics: MetricsSection,
+    /// `[sinks]`: the sinks routes can name.
     #[serde(default)]
     pub sinks: SinksSection,
+    /// `[retention]`: keeping delivered messages.
     #[serde(default)]
     pub retention: RetentionSection,
     /// Topic patterns → sink, first match wins. None: everything goes to the log sink.
@@ -92,15 +99,20 @@ pub struct Config {
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RelaySection {
+    /// Messages per claim (default 100).
     pub batch_size: Option<usize>,
+    /// Deliveries at once (default 100).
     pub concurrency: Option<usize>,
+    /// Visibility timeout of a claimed message, extended while it is delivered (default 30s).
     #[serde(default, with = "opt_duration")]
     pub lease: Option<Duration>,
+    /// Fallback poll when no NOTIFY arrives (default 5s).
     #[serde(default, with = "opt_duration")]
     pub poll_interval: Option<Duration>,
     /// Longest sleep of the scheduler that makes due scheduled messages available.
     #[serde(default, with = "opt_duration")]
     pub schedule_interval: Option<Duration>,
+    /// How long running deliveries may finish at shutdown (default 25s).
     #[serde(default, with = "opt_duration")]
     pub shutdown_deadline: Option<Duration>,
     /// A delivery running longer counts as a failed attempt.
@@ -129,6 +141,7 @@ pub struct RelaySection {
 pub struct MetricsSection {
     /// `host:port` for `/metrics`, `/healthz`, `/readyz`.
     pub listen: Option<String>,
+    /// How often the database gauges are sampled, in one query (default 5s).
     #[serde(default, with = "opt_duration")]
     pub sample_interval: Option<Duration>,
     /// How many topics get series of their own (the largest; the others count under the label
@@ -140,6 +153,7 @@ pub struct MetricsSection {
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct SinksSection {
+    /// `[sinks.kafka]`: the Kafka producer.
     pub kafka: Option<KafkaSink>,
 }
 
@@ -165,12 +179,19 @@ pub struct Overrides {
     /// `DATABASE_URL`: the generic variable every diesel user has exported (diesel CLI, `.env`), so
     /// only a fallback, under the file's `database_url`.
     pub database_url_fallback: Option<String>,
+    /// `POSTBOX_METRICS_LISTEN`.
     pub metrics_listen: Option<String>,
+    /// `POSTBOX_BATCH_SIZE`.
     pub batch_size: Option<String>,
+    /// `POSTBOX_CONCURRENCY`.
     pub concurrency: Option<String>,
+    /// `POSTBOX_LEASE`.
     pub lease: Option<String>,
+    /// `POSTBOX_POLL_INTERVAL`.
     pub poll_interval: Option<String>,
+    /// `POSTBOX_SHUTDOWN_DEADLINE`.
     pub shutdown_deadline: Option<String>,
+    /// `POSTBOX_KAFKA_BROKERS`.
     pub kafka_brokers: Option<String>,
     /// librdkafka properties from `POSTBOX_KAFKA_PROPERTY_<NAME>`: `SASL_PASSWORD` → `sasl.password`
     /// (how the Helm chart passes credentials from Secrets).
@@ -212,14 +233,19 @@ impl Overrides {
 /// The configuration a relay runs with, every default filled in and validated.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
+    /// The database: the file's, `POSTBOX_DATABASE_URL`, or `DATABASE_URL`.
     pub database_url: String,
+    /// The engine every route runs with (claims, leases, timeouts, limits).
     pub engine: EngineConfig,
     /// `None`: `metrics.listen = "off"`, no metrics and health server.
     pub metrics_listen: Option<SocketAddr>,
+    /// `metrics.sample_interval`.
     pub sample_interval: Duration,
     /// `metrics.max_topics`.
     pub metrics_max_topics: usize,
+    /// `[sinks.kafka]`, with the environment's brokers and properties.
     pub kafka: Option<KafkaSink>,
+    /// `[[routes]]` (one route of every topic to the log sink when there are none).
     pub routes: Vec<Route>,
     /// Validated: each builds its [`crate::CronSchedule`].
     pub schedules: Vec<ScheduleSection>,

@@ -36,12 +36,19 @@ pub struct StreamSection {
 /// `[stream]` with every default filled in.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamSettings {
+    /// The logical replication slot.
     pub slot: String,
+    /// The publication named when streaming.
     pub publication: String,
+    /// Set the slot up at start when it was never set up.
     pub create_slot: bool,
+    /// How often the confirmed position is reported to the server.
     pub status_interval: Duration,
+    /// Messages delivered together, and so held in memory at most.
     pub batch_size: usize,
+    /// How often a standby relay tries to take the slot over.
     pub takeover_interval: Duration,
+    /// After this long without a word from the server, ask whether the session is still there.
     pub liveness_interval: Duration,
 }
 

@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 /// shutdown ends anyway and leaves them to lease expiry.
 pub(crate) const SHUTDOWN_WRITE_WINDOW: Duration = Duration::from_secs(5);
 
+/// Messages per claim when the builder is not told otherwise.
 pub const DEFAULT_BATCH_SIZE: usize = 100;
 /// Claim loops per engine. One keeps up with a 2-core database here (measured: 2 loops drained no
 /// faster); more can help a database with more cores (SKIP LOCKED keeps them from waiting on each

@@ -7,8 +7,11 @@ use std::time::Duration;
 /// What finally happened to one claimed message, as written to the database.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settlement {
+    /// Delivered and removed (or kept by retention).
     Delivered,
+    /// Failed; scheduled again after its backoff.
     Retried,
+    /// Moved to the dead letters.
     DeadLettered,
     /// Handed back without using an attempt (shutdown, sink outage).
     Released,
@@ -51,11 +54,17 @@ pub trait Observer: Send + Sync + 'static {
 /// Totals since the engine started.
 #[derive(Debug, Default)]
 pub struct Counters {
+    /// Messages claimed.
     pub claimed: AtomicU64,
+    /// Messages delivered.
     pub delivered: AtomicU64,
+    /// Failed attempts scheduled again.
     pub retried: AtomicU64,
+    /// Messages dead-lettered.
     pub dead_lettered: AtomicU64,
+    /// Messages handed back without using an attempt.
     pub released: AtomicU64,
+    /// Outcomes that matched no row (their lease had expired).
     pub fenced: AtomicU64,
 }
 
@@ -76,11 +85,17 @@ impl Counters {
 /// What an engine did, returned when it stops.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RunReport {
+    /// Messages claimed.
     pub claimed: u64,
+    /// Messages delivered.
     pub delivered: u64,
+    /// Failed attempts scheduled again.
     pub retried: u64,
+    /// Messages dead-lettered.
     pub dead_lettered: u64,
+    /// Messages handed back without using an attempt.
     pub released: u64,
+    /// Outcomes that matched no row (their lease had expired).
     pub fenced: u64,
 }
 

@@ -21,6 +21,7 @@ use crate::config::{Config, Overrides, Settings, parse_duration};
     version,
     about = "PostgreSQL transactional outbox relay"
 )]
+/// PostgreSQL transactional outbox relay
 pub struct Cli {
     /// Configuration file (TOML).
     #[arg(long, global = true, env = "POSTBOX_CONFIG")]
@@ -32,6 +33,7 @@ pub struct Cli {
     command: Command,
 }
 
+/// The commands.
 #[derive(Subcommand)]
 pub enum Command {
     /// Create the database if it does not exist, run pending migrations.
@@ -44,6 +46,7 @@ pub enum Command {
     },
     /// Depth per topic and state, oldest pending age, dead letters, stalled ordered keys.
     Status {
+        /// Print JSON.
         #[arg(long)]
         json: bool,
         /// Every topic in the table (by default the 20 largest, and a line for the rest).
@@ -53,6 +56,7 @@ pub enum Command {
     /// What the state model forbids (stranded ordered keys, keys with two heads, holds past
     /// their limit); exit 1 when any is found.
     Check {
+        /// Print JSON.
         #[arg(long)]
         json: bool,
     },
@@ -71,7 +75,9 @@ pub enum Command {
     /// Where a message is: queued (and its state), dead-lettered (and why), or delivered (when,
     /// by which sink; with `[retention] keep_completed`).
     Show {
+        /// The message's id.
         id: i64,
+        /// Print JSON.
         #[arg(long)]
         json: bool,
     },
@@ -93,6 +99,7 @@ pub enum Command {
     },
 }
 
+/// `postbox config ...`.
 #[derive(Subcommand)]
 pub enum ConfigCommand {
     /// Validate the configuration and print it with secrets redacted.

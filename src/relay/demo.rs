@@ -41,10 +41,15 @@ impl Observer for Latencies {
 /// What `demo` did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DemoSummary {
+    /// Orders written, each in a transaction with its message.
     pub orders: usize,
+    /// Messages the relay delivered.
     pub messages: u64,
+    /// From the first write to the last delivery.
     pub seconds: f64,
+    /// End-to-end latency (commit to delivery), median.
     pub p50_ms: f64,
+    /// End-to-end latency, 99th percentile.
     pub p99_ms: f64,
 }
 

@@ -18,14 +18,21 @@ use crate::store::{ClaimedMessage, Topics};
 /// A message handed to a handler, with its payload deserialized.
 #[derive(Debug, Clone)]
 pub struct Job<T> {
+    /// The payload, deserialized into the handler's type.
     pub payload: T,
+    /// The message's id: the natural idempotency key (delivery is at least once).
     pub id: MessageId,
+    /// The message's topic.
     pub topic: String,
+    /// The message's key, if it has one.
     pub key: Option<String>,
+    /// The message's headers.
     pub headers: BTreeMap<String, String>,
     /// 1 on the first delivery.
     pub attempt: i32,
+    /// Attempts before the message is dead-lettered.
     pub max_attempts: i32,
+    /// When it was enqueued (the database's clock).
     pub created_at: DateTime<Utc>,
     /// The error of the previous attempt, if any.
     pub last_error: Option<String>,
@@ -37,11 +44,16 @@ pub struct Job<T> {
 pub enum HandlerError {
     /// Try again after the backoff, or after `delay`.
     Retry {
+        /// The error, kept as the message's last error.
         reason: String,
+        /// The delay asked for instead of the backoff.
         delay: Option<Duration>,
     },
     /// Never going to work: dead-letter now.
-    Dead { reason: String },
+    Dead {
+        /// Why, kept with the dead letter.
+        reason: String,
+    },
 }
 
 impl HandlerError {

@@ -22,28 +22,44 @@ pub enum Outcome {
     /// Failed for now: try again after the backoff, or after `delay` if given. At max attempts
     /// this dead-letters instead.
     Retry {
+        /// The error, kept as the message's last error.
         reason: String,
+        /// The delay asked for instead of the backoff.
         delay: Option<Duration>,
     },
     /// Can never succeed: dead-letter it now with this reason.
-    Dead { reason: String },
+    Dead {
+        /// Why, kept with the dead letter.
+        reason: String,
+    },
     /// Not delivered because the sink is away (a broker outage that failed part of a batch): hand
     /// it back without using an attempt, as a whole batch is when the sink is `Unavailable`.
-    Release { reason: String },
+    Release {
+        /// Why it was not delivered (logged).
+        reason: String,
+    },
     /// Not delivered because the message's topic cannot take messages now (Kafka refuses it: the
     /// topic does not exist, or the relay may not write to it). Handed back without using an
     /// attempt, and the engine stops claiming that topic for a while (backing off as for an
     /// outage, and trying it again after) while the route's other topics flow: an operator's fix
     /// (creating the topic, granting the ACL) is picked up without a restart, and nothing is
     /// dead-lettered meanwhile.
-    TopicUnavailable { reason: String },
+    TopicUnavailable {
+        /// What the sink said of the topic.
+        reason: String,
+    },
 }
 
 /// The sink as a whole cannot deliver right now (broker down). The engine hands the batch back
 /// without using attempts and backs off before claiming again.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("sink unavailable: {0}")]
-pub struct Unavailable(pub String, pub Option<String>);
+pub struct Unavailable(
+    /// What failed.
+    pub String,
+    /// The sink's own error, when it gave one.
+    pub Option<String>,
+);
 
 impl Unavailable {
     /// Unavailable because of `reason`.

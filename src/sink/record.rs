@@ -255,10 +255,13 @@ pub type HeaderName = Cow<'static, str>;
 /// One Kafka record, ready to send.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Record {
+    /// The Kafka topic.
     pub topic: String,
+    /// The record key (`None`: no key).
     pub key: Option<String>,
     /// `None`: a tombstone.
     pub value: Option<Vec<u8>>,
+    /// The record headers, in order.
     pub headers: Vec<(HeaderName, String)>,
     /// Milliseconds since the epoch; `None`: the producer's clock.
     pub timestamp_ms: Option<i64>,
@@ -267,7 +270,9 @@ pub struct Record {
 /// How a route turns messages into records: its topic template and its format.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RecordLayout {
+    /// Where each record goes.
     pub topic: TopicTemplate,
+    /// What each record holds.
     pub format: Format,
 }
 

@@ -20,10 +20,13 @@ pub struct Violation {
     /// open past its hold limit).
     #[diesel(sql_type = Text)]
     pub kind: String,
+    /// The topic, for a key's violation.
     #[diesel(sql_type = Nullable<Text>)]
     pub topic: Option<String>,
+    /// The key, for a key's violation.
     #[diesel(sql_type = Nullable<Text>)]
     pub key: Option<String>,
+    /// What was found (ids, states, the hold's owner).
     #[diesel(sql_type = Text)]
     pub detail: String,
 }
@@ -31,8 +34,10 @@ pub struct Violation {
 /// A key [`Store::repair`] gave a head again.
 #[derive(Debug, Clone, PartialEq, Eq, QueryableByName)]
 pub struct RepairedKey {
+    /// The key's topic.
     #[diesel(sql_type = Text)]
     pub topic: String,
+    /// The key.
     #[diesel(sql_type = Text)]
     pub key: String,
 }

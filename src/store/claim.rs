@@ -174,23 +174,35 @@ fn split_like(pattern: &str) -> Vec<String> {
 /// A message claimed by this process: its content, and the lease that names this claim.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClaimedMessage {
+    /// The message's id.
     pub id: MessageId,
+    /// Its topic.
     pub topic: String,
+    /// Its key, if any.
     pub key: Option<String>,
+    /// Whether it is delivered in its key's order.
     pub ordered: bool,
+    /// Its payload.
     pub payload: serde_json::Value,
+    /// Its headers.
     pub headers: BTreeMap<String, String>,
+    /// Its priority (lower is claimed first).
     pub priority: i16,
+    /// When it became (or becomes) claimable.
     pub run_at: DateTime<Utc>,
     /// Attempts used, including this one (1 on the first delivery).
     pub attempts: i32,
+    /// Attempts before it is dead-lettered.
     pub max_attempts: i32,
+    /// When it was enqueued.
     pub created_at: DateTime<Utc>,
     /// The lease ends here unless extended.
     pub locked_until: DateTime<Utc>,
+    /// The token of this claim: every settle names the message by id and token.
     pub lease_token: i64,
     /// The error of the previous failed attempt, if any.
     pub last_error: Option<String>,
+    /// Its dedup key, if any.
     pub dedup_key: Option<String>,
     /// Why this row cannot be delivered as read, if it cannot: a payload nested deeper than
     /// serde_json reads, a topic or key that is not UTF-8 (a `SQL_ASCII` database). The engine

@@ -67,9 +67,15 @@ pub enum TlsMode {
     Require,
     /// `verify-ca`, or `require` with `sslrootcert` (libpq's rule): encrypted, the certificate
     /// chains to `sslrootcert` (a PEM file) or to the public web roots; the host name is not checked.
-    VerifyCa { root_cert: Option<String> },
+    VerifyCa {
+        /// `sslrootcert`: a PEM file of the roots to trust.
+        root_cert: Option<String>,
+    },
     /// `verify-full`: as `verify-ca`, and the certificate names the host.
-    VerifyFull { root_cert: Option<String> },
+    VerifyFull {
+        /// `sslrootcert`: a PEM file of the roots to trust.
+        root_cert: Option<String>,
+    },
 }
 
 /// Reads `sslmode` and `sslrootcert` from a `postgres://` URL (query values percent-decoded) and

@@ -28,18 +28,25 @@ pub struct Fired {
 /// A schedule as the database knows it (for `status`).
 #[derive(Debug, Clone, PartialEq, Eq, QueryableByName, serde::Serialize)]
 pub struct ScheduleRow {
+    /// The schedule's name.
     #[diesel(sql_type = Text)]
     pub name: String,
+    /// Its cron expression.
     #[diesel(sql_type = Text)]
     pub cron: String,
+    /// Its time zone (an IANA name, or UTC).
     #[diesel(sql_type = Text)]
     pub timezone: String,
+    /// The topic of its messages.
     #[diesel(sql_type = Text)]
     pub topic: String,
+    /// The last tick that enqueued a message.
     #[diesel(sql_type = Nullable<Timestamptz>)]
     pub last_tick: Option<DateTime<Utc>>,
+    /// The id of that message.
     #[diesel(sql_type = Nullable<BigInt>)]
     pub last_message_id: Option<i64>,
+    /// The next tick.
     #[diesel(sql_type = Timestamptz)]
     pub next_tick: DateTime<Utc>,
 }

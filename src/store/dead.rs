@@ -19,30 +19,42 @@ use crate::schema::postbox::dead_letters;
 pub struct DeadLetter {
     /// Its id while it was live; a replay gives it back.
     pub id: MessageId,
+    /// Its topic.
     #[diesel(deserialize_as = LenientText)]
     pub topic: String,
+    /// Its key, if any.
     #[diesel(deserialize_as = LenientOptText)]
     pub key: Option<String>,
+    /// Whether it was an ordered message (a replay puts it back in its key's order).
     pub ordered: bool,
     /// A payload this process cannot parse (nested deeper than serde_json's 128 levels) is given
     /// as its JSON text, a string; replay moves the stored value itself.
     #[diesel(deserialize_as = LenientJson)]
     pub payload: serde_json::Value,
+    /// Its headers.
     #[diesel(deserialize_as = LenientJson)]
     pub headers: serde_json::Value,
+    /// Its priority.
     pub priority: i16,
+    /// Attempts it used.
     pub attempts: i32,
+    /// Attempts it was allowed.
     pub max_attempts: i32,
+    /// When it was enqueued.
     pub created_at: DateTime<Utc>,
+    /// Its dedup key, if any.
     #[diesel(deserialize_as = LenientOptText)]
     pub dedup_key: Option<String>,
+    /// The error of its first failed attempt.
     #[diesel(deserialize_as = LenientOptText)]
     pub first_error: Option<String>,
+    /// The error of its last failed attempt.
     #[diesel(deserialize_as = LenientOptText)]
     pub last_error: Option<String>,
     /// Why it died: the permanent error, or attempts exhausted with the last error.
     #[diesel(deserialize_as = LenientText)]
     pub reason: String,
+    /// When it was dead-lettered.
     pub dead_at: DateTime<Utc>,
 }
 

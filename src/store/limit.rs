@@ -77,10 +77,12 @@ impl Limit {
         &self.topics
     }
 
+    /// At most this many running at once (in all, or per key).
     pub fn max_running(&self) -> u32 {
         self.max_running
     }
 
+    /// Whether the limit counts per key.
     pub fn is_per_key(&self) -> bool {
         self.per_key
     }

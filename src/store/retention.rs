@@ -33,43 +33,75 @@ pub struct Maintained {
 pub enum Shown {
     /// In the queue: `state` is available, scheduled, running or waiting.
     Queued {
+        /// The message's id.
         id: MessageId,
+        /// Its topic.
         topic: String,
+        /// Its key, if any.
         key: Option<String>,
+        /// `available`, `scheduled`, `running` or `waiting`.
         state: String,
+        /// Attempts used.
         attempts: i32,
+        /// Attempts allowed.
         max_attempts: i32,
+        /// When it was enqueued.
         created_at: DateTime<Utc>,
+        /// When it is (or was) claimable.
         run_at: DateTime<Utc>,
+        /// The relay that holds it, while it runs.
         locked_by: Option<String>,
+        /// The error of its last failed attempt.
         last_error: Option<String>,
+        /// Its payload.
         payload: serde_json::Value,
+        /// Its headers.
         headers: serde_json::Value,
     },
     /// In the dead letters.
     Dead {
+        /// The message's id.
         id: MessageId,
+        /// Its topic.
         topic: String,
+        /// Its key, if any.
         key: Option<String>,
+        /// Why it was dead-lettered.
         reason: String,
+        /// Attempts used.
         attempts: i32,
+        /// When it was enqueued.
         created_at: DateTime<Utc>,
+        /// When it was dead-lettered.
         dead_at: DateTime<Utc>,
+        /// The error of its last failed attempt.
         last_error: Option<String>,
+        /// Its payload.
         payload: serde_json::Value,
+        /// Its headers.
         headers: serde_json::Value,
     },
     /// Delivered, and kept by retention.
     Delivered {
+        /// The message's id.
         id: MessageId,
+        /// Its topic.
         topic: String,
+        /// Its key, if any.
         key: Option<String>,
+        /// Attempts used.
         attempts: i32,
+        /// When it was enqueued.
         created_at: DateTime<Utc>,
+        /// When it was delivered.
         delivered_at: DateTime<Utc>,
+        /// The sink that delivered it.
         sink: String,
+        /// The relay that delivered it.
         relay: Option<String>,
+        /// Its payload.
         payload: serde_json::Value,
+        /// Its headers.
         headers: serde_json::Value,
     },
 }

@@ -29,6 +29,7 @@ pub struct Settled {
 /// A failed delivery to try again later.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Retry {
+    /// The claim it settles.
     pub lease: Lease,
     /// Recorded as the message's `last_error`.
     pub error: String,
@@ -39,6 +40,7 @@ pub struct Retry {
 /// A message that can never be delivered.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Dead {
+    /// The claim it settles.
     pub lease: Lease,
     /// Why: kept in the dead letter.
     pub reason: String,

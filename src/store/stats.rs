@@ -27,6 +27,7 @@ pub const TOPIC_EXACT_LIMIT: i64 = 1_000;
 /// Depth of one topic.
 #[derive(Debug, Clone, Default, PartialEq, QueryableByName, serde::Serialize)]
 pub struct TopicStats {
+    /// The topic.
     #[diesel(sql_type = Text)]
     pub topic: String,
     /// Claimable now.
@@ -52,6 +53,7 @@ pub struct TopicStats {
 /// Depth of every topic that has live or dead messages.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct Stats {
+    /// Per topic, the largest first.
     pub topics: Vec<TopicStats>,
     /// True when some figures are estimates (a table above [`EXACT_LIMIT`] rows).
     pub estimated: bool,
@@ -152,18 +154,22 @@ struct Sampled {
 /// The head of an ordered key that has failed and so holds back the messages behind it.
 #[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
 pub struct StalledKey {
+    /// The key's topic.
     #[diesel(sql_type = Text)]
     pub topic: String,
+    /// The key.
     #[diesel(sql_type = Text)]
     pub key: String,
     /// The head message.
     #[diesel(sql_type = BigInt)]
     pub id: i64,
+    /// Attempts the head has used.
     #[diesel(sql_type = diesel::sql_types::Integer)]
     pub attempts: i32,
     /// Seconds since the head was enqueued.
     #[diesel(sql_type = Double)]
     pub age_secs: f64,
+    /// The head's last error.
     #[diesel(sql_type = Nullable<Text>)]
     pub last_error: Option<String>,
     /// Messages of the key waiting behind the head (counted up to 100,000).
@@ -201,6 +207,7 @@ pub struct SampleRow {
     /// Message state, for depth.
     #[diesel(sql_type = Text)]
     pub state: String,
+    /// The figure.
     #[diesel(sql_type = Double)]
     pub value: f64,
 }

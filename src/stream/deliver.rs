@@ -34,7 +34,9 @@ pub const FIRST_RETRY: Duration = Duration::from_millis(500);
 /// What a batch came to.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Delivered {
+    /// Messages the sink stored.
     pub delivered: u64,
+    /// Messages it refused for good, now dead letters.
     pub dead_lettered: u64,
 }
 

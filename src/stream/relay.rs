@@ -67,9 +67,13 @@ pub enum StreamError {
         "stream slot {slot:?} is lost ({why}): messages published from {from} to {to} were not delivered and cannot be; run `postbox stream setup` to create a new slot once this is handled"
     )]
     SlotLost {
+        /// The slot.
         slot: String,
+        /// How it was lost (`lost` WAL, or dropped).
         why: String,
+        /// The first position not delivered.
         from: String,
+        /// The server's position when the loss was found: what was published up to here is gone.
         to: String,
     },
     /// Stream mode cannot run here (names what is missing).
@@ -80,7 +84,9 @@ pub enum StreamError {
 /// What the streamer did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct StreamReport {
+    /// Messages delivered.
     pub delivered: u64,
+    /// Messages dead-lettered.
     pub dead_lettered: u64,
     /// The last position confirmed to the server.
     pub confirmed: Option<String>,
@@ -98,10 +104,15 @@ pub trait StreamObserver: Send + Sync {
 
 /// The streamer of one slot.
 pub struct Streamer {
+    /// The database (a replication connection is opened to it).
     pub url: String,
+    /// The slot, the publication, the batch and the intervals.
     pub config: StreamConfig,
+    /// The sinks, one per route, in the order of the routes.
     pub sinks: Vec<Arc<dyn Sink>>,
+    /// The store (dead letters of stream messages).
     pub store: Store,
+    /// Told what the streamer does (metrics), if given.
     pub observer: Option<Arc<dyn StreamObserver>>,
 }
 
