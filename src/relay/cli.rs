@@ -87,9 +87,8 @@ pub enum Command {
     /// Stream mode's replication slot: set it up, see it, drop it.
     #[command(subcommand)]
     Stream(StreamCommand),
-    /// Least-privilege roles: give a role the rights of a writer (enqueue, publish), a relay or an
-    /// operator on this database's postbox schema (creating it NOLOGIN when missing), or take
-    /// them back; `--sql` prints the statements instead.
+    /// Least-privilege roles: give a role the rights of a writer, a relay or an operator on this
+    /// database's postbox schema, or take them back (`--sql` prints the statements).
     Grant(GrantArgs),
     /// Migrate, enqueue sample orders in transactions, relay them to the log sink, summarise.
     Demo {
