@@ -74,6 +74,7 @@ fn the_configuration_reference_names_every_key_with_its_default_and_variable() {
         ("[[schedules]]", "schedules[]."),
         ("[[limits]]", "limits[]."),
         ("[stream]", "stream."),
+        ("[ui]", "ui."),
     ];
     let tables: BTreeSet<&str> = [
         "relay",
@@ -84,6 +85,7 @@ fn the_configuration_reference_names_every_key_with_its_default_and_variable() {
         "schedules",
         "limits",
         "stream",
+        "ui",
     ]
     .into_iter()
     .collect();

@@ -15,12 +15,14 @@ mod jobs;
 mod redact;
 mod route;
 mod stream;
+mod ui;
 pub use durations::parse_duration;
 use durations::{duration_map, opt_bytes, opt_duration};
 pub use jobs::{LimitSection, RetentionSection, ScheduleSection};
 pub use redact::{is_secret, redact_url, redact_values};
 pub use route::{FORMAT_NAMES, Route};
 pub use stream::{StreamSection, StreamSettings};
+pub use ui::{DEFAULT_UI_LISTEN, UiSection, UiSettings};
 
 /// The database a relay uses when none is configured.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@localhost/postbox";
@@ -93,6 +95,9 @@ pub struct Config {
     /// Stream mode: also deliver messages published into the WAL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<StreamSection>,
+    /// The operator console.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ui: Option<UiSection>,
 }
 
 /// `[relay]`: the engine's settings.
@@ -196,6 +201,8 @@ pub struct Overrides {
     /// librdkafka properties from `POSTBOX_KAFKA_PROPERTY_<NAME>`: `SASL_PASSWORD` → `sasl.password`
     /// (how the Helm chart passes credentials from Secrets).
     pub kafka_properties: BTreeMap<String, String>,
+    /// `POSTBOX_UI_TOKEN`: the console's token (a Secret's, in the chart).
+    pub ui_token: Option<String>,
 }
 
 impl Overrides {
@@ -215,6 +222,7 @@ impl Overrides {
             poll_interval: var("POSTBOX_POLL_INTERVAL"),
             shutdown_deadline: var("POSTBOX_SHUTDOWN_DEADLINE"),
             kafka_brokers: var("POSTBOX_KAFKA_BROKERS"),
+            ui_token: var("POSTBOX_UI_TOKEN"),
             // vars_os: other programs' variables need not be UTF-8 (vars() would panic).
             kafka_properties: std::env::vars_os()
                 .filter_map(|(k, v)| {
@@ -253,6 +261,8 @@ pub struct Settings {
     pub limits: Vec<LimitSection>,
     /// `[stream]`, when stream mode is on.
     pub stream: Option<StreamSettings>,
+    /// `[ui]`, when the console is on.
+    pub ui: Option<UiSettings>,
 }
 
 impl Settings {
@@ -333,6 +343,7 @@ impl Config {
                 env.kafka_brokers.is_some(),
                 "POSTBOX_KAFKA_BROKERS",
             ),
+            ("ui.token", env.ui_token.is_some(), "POSTBOX_UI_TOKEN"),
         ]
         .into_iter()
         .filter(|(_, set, _)| *set)
@@ -391,6 +402,9 @@ impl Config {
                 )
             })?;
             kafka.properties.extend(env.kafka_properties);
+        }
+        if let Some(t) = env.ui_token {
+            self.ui.get_or_insert_default().token = Some(t);
         }
         self.settings()
     }
@@ -553,6 +567,12 @@ impl Config {
                 .as_ref()
                 .map(StreamSection::settings)
                 .transpose()?,
+            ui: self
+                .ui
+                .as_ref()
+                .map(UiSection::settings)
+                .transpose()?
+                .flatten(),
         })
     }
 }

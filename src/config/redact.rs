@@ -165,6 +165,14 @@ impl Settings {
             },
             schedules: self.schedules.clone(),
             limits: self.limits.clone(),
+            ui: self.ui.as_ref().map(|u| super::UiSection {
+                enabled: Some(true),
+                listen: Some(u.listen.to_string()),
+                path_prefix: Some(u.path_prefix.clone()),
+                actions: Some(u.actions),
+                token: u.token.as_ref().map(|_| "<redacted>".to_owned()),
+                show_payloads: Some(u.show_payloads),
+            }),
         };
         toml::to_string(&file).expect("the configuration serializes")
     }

@@ -14,6 +14,7 @@ mod serve;
 mod show;
 mod status;
 mod stream;
+mod ui;
 
 pub use dead::selector;
 pub use demo::{DemoSummary, demo};
@@ -305,6 +306,12 @@ pub async fn run(
         }
         Err(e) => return Err(e),
     };
+    let console = match &settings.ui {
+        Some(ui) if !drain => {
+            Some(ui::serve_ui(ui.clone(), store.clone(), shutdown.clone()).await?)
+        }
+        _ => None,
+    };
     let sampler = tokio::spawn(sample(
         store.clone(),
         metrics.clone(),
@@ -385,6 +392,9 @@ pub async fn run(
     }
     let _ = sampler.await;
     let _ = server.await;
+    if let Some(c) = console {
+        let _ = c.await;
+    }
     tracing::info!(?report, "relay stopped");
     match failure {
         Some(e) => Err(e),

@@ -78,7 +78,11 @@ pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
 
 /// Accepts and serves connections (HTTP/1.1) until `stop`, within [`MAX_CONNECTIONS`],
 /// [`HEADER_TIMEOUT`] and [`CONNECTION_LIFETIME`].
-async fn serve(listener: tokio::net::TcpListener, app: axum::Router, stop: CancellationToken) {
+pub(super) async fn serve(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    stop: CancellationToken,
+) {
     use hyper_util::rt::{TokioIo, TokioTimer};
     use hyper_util::service::TowerToHyperService;
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));

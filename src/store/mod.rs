@@ -7,6 +7,8 @@
 pub mod migrate;
 
 #[cfg(feature = "async")]
+pub mod browse;
+#[cfg(feature = "async")]
 mod cancel;
 #[cfg(feature = "async")]
 mod check;

@@ -1,0 +1,210 @@
+//! The console's actions (`[ui] actions = true`, the token, a form of the console's own pages):
+//! pause and resume a topic, replay or purge every dead letter a filter matches.
+
+use std::sync::Arc;
+
+use axum::extract::{Form, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use serde_json::json;
+
+use super::guard::{self, Credential, Refusal};
+use super::html::{FilterText, esc, parse_filter};
+use super::{ACT_MAX, Csrf, Shared, Ui, answer, database_error, refuse};
+use crate::store::DeadSelector;
+
+/// A form of an action: the filter it applies to, the count the user confirmed, the CSRF token.
+#[derive(Debug, Default, serde::Deserialize)]
+pub(super) struct ActionForm {
+    #[serde(flatten)]
+    filter: FilterText,
+    #[serde(default)]
+    expected: String,
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    topic: String,
+}
+
+/// Whether the request may act: actions on, the token, the same site. Returns who acts, for the
+/// audit log.
+fn may_act(ui: &Ui, headers: &HeaderMap, csrf: &str) -> std::result::Result<String, Refusal> {
+    if !ui.settings.actions {
+        return Err((
+            StatusCode::FORBIDDEN,
+            "the console is read-only ([ui] actions = false)".into(),
+        ));
+    }
+    let token = ui.settings.token.as_deref().unwrap_or_default();
+    let credential = guard::authenticate(headers, token)?;
+    guard::same_site(headers, credential, Some(csrf).filter(|c| !c.is_empty()))?;
+    let forwarded = headers
+        .get("x-forwarded-for")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("-");
+    Ok(match credential {
+        Credential::Bearer => format!("bearer token (from {forwarded})"),
+        Credential::Basic => format!("basic auth (from {forwarded})"),
+    })
+}
+
+pub(super) async fn dead_replay(
+    State(ui): Shared,
+    headers: HeaderMap,
+    Form(f): Form<ActionForm>,
+) -> Response {
+    dead_act(ui, headers, f, true).await
+}
+
+pub(super) async fn dead_purge(
+    State(ui): Shared,
+    headers: HeaderMap,
+    Form(f): Form<ActionForm>,
+) -> Response {
+    dead_act(ui, headers, f, false).await
+}
+
+async fn dead_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, replay: bool) -> Response {
+    let csrf = Csrf::of(&headers);
+    let who = match may_act(&ui, &headers, &f.csrf) {
+        Ok(w) => w,
+        Err(r) => return refuse(&ui, &headers, r),
+    };
+    let filter = match parse_filter(&f.filter) {
+        Ok(x) => x,
+        Err(e) => return refuse(&ui, &headers, (StatusCode::BAD_REQUEST, e)),
+    };
+    let Ok(expected) = f.expected.trim().parse::<i64>() else {
+        return refuse(
+            &ui,
+            &headers,
+            (
+                StatusCode::BAD_REQUEST,
+                "expected: the count you confirmed is missing".into(),
+            ),
+        );
+    };
+    let ids = match ui.store.dead_ids(&filter, None, ACT_MAX + 1).await {
+        Ok(ids) => ids,
+        Err(e) => return database_error(&ui, &headers, e),
+    };
+    if ids.len() as i64 != expected {
+        return refuse(
+            &ui,
+            &headers,
+            (
+                StatusCode::CONFLICT,
+                format!(
+                    "the selection changed: {} dead letters match now, you confirmed {expected}; review it and confirm again",
+                    ids.len()
+                ),
+            ),
+        );
+    }
+    let (mut done, mut skipped) = (0usize, 0usize);
+    for chunk in ids.chunks(1000) {
+        let selector = DeadSelector::Ids(chunk.to_vec());
+        let r = if replay {
+            ui.store
+                .dead_replay(&selector)
+                .await
+                .map(|r| (r.replayed.len(), r.skipped.len()))
+        } else {
+            ui.store.dead_purge(&selector).await.map(|n| (n, 0))
+        };
+        match r {
+            Ok((d, s)) => {
+                done += d;
+                skipped += s;
+            }
+            Err(e) => return database_error(&ui, &headers, e),
+        }
+    }
+    let verb = if replay { "replayed" } else { "purged" };
+    tracing::info!(target: "postbox::ui::audit", who = %who, action = verb, filter = %f.filter.query(), done, skipped, "console action");
+    let message = format!(
+        "{verb} {done} dead letters{}",
+        if skipped > 0 {
+            format!(" ({skipped} skipped: still dead, see postbox dead list)")
+        } else {
+            String::new()
+        }
+    );
+    answer(
+        &ui,
+        &headers,
+        &csrf,
+        StatusCode::OK,
+        "Done",
+        format!(
+            "<p class=\"notice\" role=\"status\">{}</p><p><a href=\"{}/dead\">Dead letters</a></p>",
+            esc(&message),
+            esc(&ui.settings.path_prefix)
+        ),
+        json!({ verb: done, "skipped": skipped }),
+    )
+}
+
+pub(super) async fn pause(
+    State(ui): Shared,
+    headers: HeaderMap,
+    Form(f): Form<ActionForm>,
+) -> Response {
+    topic_act(ui, headers, f, true).await
+}
+
+pub(super) async fn resume(
+    State(ui): Shared,
+    headers: HeaderMap,
+    Form(f): Form<ActionForm>,
+) -> Response {
+    topic_act(ui, headers, f, false).await
+}
+
+async fn topic_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, pause: bool) -> Response {
+    let csrf = Csrf::of(&headers);
+    let who = match may_act(&ui, &headers, &f.csrf) {
+        Ok(w) => w,
+        Err(r) => return refuse(&ui, &headers, r),
+    };
+    if f.topic.trim().is_empty() {
+        return refuse(
+            &ui,
+            &headers,
+            (
+                StatusCode::BAD_REQUEST,
+                "topic: a topic or pattern is needed".into(),
+            ),
+        );
+    }
+    let topics = vec![f.topic.trim().to_owned()];
+    let r = if pause {
+        ui.store.pause(&topics).await
+    } else {
+        ui.store.resume(&topics).await
+    };
+    let n = match r {
+        Ok(n) => n,
+        Err(e) => return database_error(&ui, &headers, e),
+    };
+    let verb = if pause { "paused" } else { "resumed" };
+    tracing::info!(target: "postbox::ui::audit", who = %who, action = verb, topic = %f.topic, "console action");
+    let message = format!(
+        "{verb} {}{}",
+        f.topic,
+        if n == 0 { " (nothing changed)" } else { "" }
+    );
+    answer(
+        &ui,
+        &headers,
+        &csrf,
+        StatusCode::OK,
+        "Done",
+        format!(
+            "<p class=\"notice\" role=\"status\">{}</p><p><a href=\"{}/\">Overview</a></p>",
+            esc(&message),
+            esc(&ui.settings.path_prefix)
+        ),
+        json!({ verb: n }),
+    )
+}

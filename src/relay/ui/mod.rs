@@ -1,0 +1,188 @@
+//! The operator console (`[ui]`): the queue's overview, messages and dead letters with filters,
+//! a message's page, and — with `[ui] actions = true` and the token — pause, resume, replay and
+//! purge. Every page answers JSON too (`Accept: application/json`), for scripts.
+
+mod actions;
+mod guard;
+mod html;
+mod pages;
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use self::guard::{CSRF_COOKIE, Refusal};
+use self::html::page;
+use super::{RelayError, Result};
+use crate::config::UiSettings;
+use crate::store::Store;
+
+/// Dead letters a "replay / purge everything matching" counts and acts on at most, in one go.
+pub const ACT_MAX: i64 = 100_000;
+/// Rows a page shows unless it asks for another number.
+pub(super) const PAGE_DEFAULT: usize = 50;
+
+pub(super) struct Ui {
+    store: Store,
+    settings: UiSettings,
+}
+
+pub(super) type Shared = State<Arc<Ui>>;
+
+/// Serves the console on `settings.listen` until `stop`.
+pub async fn serve_ui(
+    settings: UiSettings,
+    store: Store,
+    stop: CancellationToken,
+) -> Result<tokio::task::JoinHandle<()>> {
+    let addr = settings.listen;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| RelayError::Usage(format!("ui.listen: cannot listen on {addr}: {e}")))?;
+    let prefix = settings.path_prefix.clone();
+    let state = Arc::new(Ui { store, settings });
+    let pages = axum::Router::new()
+        .route("/", get(pages::overview))
+        .route("/messages", get(pages::messages))
+        .route("/messages/{id}", get(pages::message))
+        .route("/dead", get(pages::dead))
+        .route("/dead/replay", post(actions::dead_replay))
+        .route("/dead/purge", post(actions::dead_purge))
+        .route("/topics/pause", post(actions::pause))
+        .route("/topics/resume", post(actions::resume))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "no such page\n") })
+        .with_state(state);
+    let app = if prefix.is_empty() {
+        pages
+    } else {
+        axum::Router::new().nest(&prefix, pages)
+    };
+    tracing::info!(%addr, prefix = %prefix, "console listening");
+    Ok(tokio::spawn(super::serve::serve(listener, app, stop)))
+}
+
+/// Whether `topic` matches `pattern` (`*`: any run of characters), as a pause does.
+pub(super) fn glob(pattern: &str, topic: &str) -> bool {
+    let parts: Vec<&str> = pattern.split('*').collect();
+    if parts.len() == 1 {
+        return pattern == topic;
+    }
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if !topic.starts_with(first) || topic.len() < first.len() + last.len() || !topic.ends_with(last)
+    {
+        return false;
+    }
+    let mut rest = &topic[first.len()..topic.len() - last.len()];
+    for part in &parts[1..parts.len() - 1] {
+        match rest.find(part) {
+            Some(i) => rest = &rest[i + part.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+/// Whether the client asked for JSON.
+pub(super) fn wants_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("application/json"))
+}
+
+/// The CSRF token of a page's forms: the cookie's, or a new one the page sets.
+pub(super) struct Csrf {
+    value: String,
+    fresh: bool,
+}
+
+impl Csrf {
+    pub(super) fn of(headers: &HeaderMap) -> Csrf {
+        match guard::csrf_cookie(headers) {
+            Some(value) => Csrf {
+                value,
+                fresh: false,
+            },
+            None => Csrf {
+                value: guard::new_csrf_token(),
+                fresh: true,
+            },
+        }
+    }
+}
+
+/// The answer: JSON for a script, the page for a person (setting the CSRF cookie when it is new).
+pub(super) fn answer(
+    ui: &Ui,
+    headers: &HeaderMap,
+    csrf: &Csrf,
+    status: StatusCode,
+    title: &str,
+    body: String,
+    value: serde_json::Value,
+) -> Response {
+    if wants_json(headers) {
+        return (status, axum::Json(value)).into_response();
+    }
+    let html = page(&ui.settings.path_prefix, title, None, &body);
+    let mut response = (status, axum::response::Html(html)).into_response();
+    if csrf.fresh {
+        let path = if ui.settings.path_prefix.is_empty() {
+            "/"
+        } else {
+            &ui.settings.path_prefix
+        };
+        let cookie = format!(
+            "{CSRF_COOKIE}={}; Path={path}; HttpOnly; SameSite=Strict",
+            csrf.value
+        );
+        if let Ok(v) = cookie.parse() {
+            response.headers_mut().insert(header::SET_COOKIE, v);
+        }
+    }
+    response
+}
+
+/// A refusal or a bad request, as a page or as JSON; never a 500 for what the user typed.
+pub(super) fn refuse(ui: &Ui, headers: &HeaderMap, (status, message): Refusal) -> Response {
+    let mut r = answer(
+        ui,
+        headers,
+        &Csrf::of(headers),
+        status,
+        "Refused",
+        html::error(&message),
+        json!({ "error": message }),
+    );
+    if status == StatusCode::UNAUTHORIZED {
+        r.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Basic realm=\"postbox\""),
+        );
+    }
+    r
+}
+
+pub(super) fn database_error(ui: &Ui, headers: &HeaderMap, e: crate::Error) -> Response {
+    match e {
+        crate::Error::InvalidArgument { .. } => {
+            refuse(ui, headers, (StatusCode::BAD_REQUEST, e.to_string()))
+        }
+        e => {
+            tracing::warn!(error = %e, "console: the database failed");
+            refuse(
+                ui,
+                headers,
+                (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("the database failed: {e}"),
+                ),
+            )
+        }
+    }
+}

@@ -1,0 +1,296 @@
+//! The console's pages: the overview, the lists of messages and dead letters, a message.
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use serde_json::json;
+
+use super::html::{self, FilterText, esc, parse_filter};
+use super::{ACT_MAX, Csrf, PAGE_DEFAULT, Shared, answer, database_error, glob, refuse};
+use crate::store::browse::{Filter, PAGE_MAX};
+
+pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response {
+    let csrf = Csrf::of(&headers);
+    let (stats, paused, violations, stalled) = match tokio::try_join!(
+        ui.store.stats(),
+        ui.store.paused(),
+        ui.store.check(100),
+        ui.store.stalled_keys(20)
+    ) {
+        Ok(x) => x,
+        Err(e) => return database_error(&ui, &headers, e),
+    };
+    let p = esc(&ui.settings.path_prefix);
+    let mut body = String::new();
+    body += &format!(
+        "<p>{} {}</p>",
+        if violations.is_empty() {
+            "State model check: no violation."
+        } else {
+            "State model check:"
+        },
+        if stats.estimated {
+            "<span class=\"muted\">(counts above 50,000 rows are estimates)</span>"
+        } else {
+            ""
+        }
+    );
+    for v in &violations {
+        body += &html::error(&format!(
+            "{}: {} {} {}",
+            v.kind,
+            v.topic.as_deref().unwrap_or(""),
+            v.key.as_deref().unwrap_or(""),
+            v.detail
+        ));
+    }
+    body += "<table><thead><tr><th>topic</th><th>available</th><th>scheduled</th><th>running</th>\
+             <th>waiting</th><th>dead</th><th>oldest available</th><th></th></tr></thead><tbody>";
+    for t in &stats.topics {
+        let is_paused = paused.iter().any(|pat| glob(pat, &t.topic));
+        let action = if !ui.settings.actions {
+            String::new()
+        } else {
+            let (verb, label) = if is_paused {
+                ("resume", "Resume")
+            } else {
+                ("pause", "Pause")
+            };
+            format!(
+                "<form method=\"post\" action=\"{p}/topics/{verb}\"><input type=\"hidden\" name=\"topic\" value=\"{t}\">\
+                 <input type=\"hidden\" name=\"csrf\" value=\"{c}\"><button>{label}</button></form>",
+                t = esc(&t.topic),
+                c = esc(&csrf.value),
+            )
+        };
+        body += &format!(
+            "<tr><td><a href=\"{p}/messages?topic={q}\">{t}</a>{paused}</td><td class=\"n\">{}</td><td class=\"n\">{}</td>\
+             <td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\"><a href=\"{p}/dead?topic={q}\">{}</a></td><td class=\"n\">{}</td><td>{action}</td></tr>",
+            t.available,
+            t.scheduled,
+            t.running,
+            t.waiting,
+            t.dead,
+            t.oldest_available_secs
+                .map(|s| format!("{s:.0} s"))
+                .unwrap_or_default(),
+            q = esc(&html::url_value(&t.topic)),
+            t = esc(&t.topic),
+            paused = if is_paused {
+                " <span class=\"paused\">paused</span>"
+            } else {
+                ""
+            },
+        );
+    }
+    body += "</tbody></table>";
+    if !stalled.is_empty() {
+        body += "<h2>Stalled keys</h2><table><thead><tr><th>topic</th><th>key</th><th>head</th><th>attempts</th><th>behind</th><th>last error</th></tr></thead><tbody>";
+        for s in &stalled {
+            body += &format!(
+                "<tr><td>{}</td><td>{}</td><td><a href=\"{p}/messages/{id}\">{id}</a></td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{}</td></tr>",
+                esc(&s.topic),
+                esc(&s.key),
+                s.attempts,
+                s.waiting,
+                esc(s.last_error.as_deref().unwrap_or("")),
+                id = s.id
+            );
+        }
+        body += "</tbody></table>";
+    }
+    let value = json!({ "topics": stats.topics, "estimated": stats.estimated, "paused": paused,
+        "violations": violations.iter().map(|v| json!({"kind": v.kind, "topic": v.topic, "key": v.key, "detail": v.detail})).collect::<Vec<_>>(),
+        "stalled_keys": stalled });
+    answer(
+        &ui,
+        &headers,
+        &csrf,
+        StatusCode::OK,
+        "Overview",
+        body,
+        value,
+    )
+}
+
+/// The query of a list page: the filter, the cursor and the page size.
+#[derive(Debug, Default, serde::Deserialize)]
+pub(super) struct ListQuery {
+    #[serde(flatten)]
+    filter: FilterText,
+    #[serde(default)]
+    before: String,
+    #[serde(default)]
+    limit: String,
+}
+
+impl ListQuery {
+    fn parse(&self) -> std::result::Result<(Filter, Option<i64>, usize), String> {
+        let filter = parse_filter(&self.filter)?;
+        let before = match self.before.trim() {
+            "" => None,
+            b => Some(
+                b.parse::<i64>()
+                    .map_err(|_| format!("before: {b:?} is not a message id"))?,
+            ),
+        };
+        let limit = match self.limit.trim() {
+            "" => PAGE_DEFAULT,
+            l => l
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (1..=PAGE_MAX).contains(n))
+                .ok_or_else(|| format!("limit: {l:?} is not a number from 1 to {PAGE_MAX}"))?,
+        };
+        Ok((filter, before, limit))
+    }
+}
+
+pub(super) async fn messages(
+    State(ui): Shared,
+    headers: HeaderMap,
+    Query(q): Query<ListQuery>,
+) -> Response {
+    let csrf = Csrf::of(&headers);
+    let (filter, before, limit) = match q.parse() {
+        Ok(x) => x,
+        Err(e) => return refuse(&ui, &headers, (StatusCode::BAD_REQUEST, e)),
+    };
+    let page = match ui
+        .store
+        .browse_messages(&filter, before, limit, ui.settings.show_payloads)
+        .await
+    {
+        Ok(p) => p,
+        Err(e) => return database_error(&ui, &headers, e),
+    };
+    let p = &ui.settings.path_prefix;
+    let body = html::filter_form(&format!("{p}/messages"), &q.filter, true)
+        + &html::rows(p, "/messages", &page, &q.filter);
+    answer(
+        &ui,
+        &headers,
+        &csrf,
+        StatusCode::OK,
+        "Messages",
+        body,
+        json!(page),
+    )
+}
+
+pub(super) async fn message(
+    State(ui): Shared,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let csrf = Csrf::of(&headers);
+    let Some(id) = id.parse::<i64>().ok().filter(|&i| i > 0) else {
+        return refuse(
+            &ui,
+            &headers,
+            (
+                StatusCode::BAD_REQUEST,
+                format!("{id:?} is not a message id"),
+            ),
+        );
+    };
+    let shown = match ui.store.show(id).await {
+        Ok(Some(s)) => s,
+        Ok(None) => {
+            return refuse(
+                &ui,
+                &headers,
+                (
+                    StatusCode::NOT_FOUND,
+                    format!(
+                        "no message {id}: never enqueued, or delivered and not kept (retention is off or it expired)"
+                    ),
+                ),
+            );
+        }
+        Err(e) => return database_error(&ui, &headers, e),
+    };
+    let mut value = serde_json::to_value(&shown).unwrap_or_default();
+    if !ui.settings.show_payloads
+        && let Some(o) = value.as_object_mut()
+    {
+        o.insert("payload".into(), json!(null));
+    }
+    let mut body = String::from("<table><tbody>");
+    if let Some(o) = value.as_object() {
+        for (k, v) in o {
+            let shown = match v {
+                serde_json::Value::String(s) => esc(s),
+                serde_json::Value::Null if k == "payload" && !ui.settings.show_payloads => {
+                    "<span class=\"muted\">hidden</span>".into()
+                }
+                v if v.is_object() || v.is_array() => format!(
+                    "<pre>{}</pre>",
+                    esc(&serde_json::to_string_pretty(v).unwrap_or_default())
+                ),
+                v => esc(&v.to_string()),
+            };
+            body += &format!("<tr><th>{}</th><td>{shown}</td></tr>", esc(k));
+        }
+    }
+    body += "</tbody></table>";
+    answer(
+        &ui,
+        &headers,
+        &csrf,
+        StatusCode::OK,
+        &format!("Message {id}"),
+        body,
+        value,
+    )
+}
+
+pub(super) async fn dead(
+    State(ui): Shared,
+    headers: HeaderMap,
+    Query(q): Query<ListQuery>,
+) -> Response {
+    let csrf = Csrf::of(&headers);
+    let (filter, before, limit) = match q.parse() {
+        Ok(x) => x,
+        Err(e) => return refuse(&ui, &headers, (StatusCode::BAD_REQUEST, e)),
+    };
+    let (page, matching) = match tokio::try_join!(
+        ui.store
+            .browse_dead(&filter, before, limit, ui.settings.show_payloads),
+        ui.store.count_dead(&filter, ACT_MAX + 1)
+    ) {
+        Ok(x) => x,
+        Err(e) => return database_error(&ui, &headers, e),
+    };
+    let p = &ui.settings.path_prefix;
+    let count = if matching > ACT_MAX {
+        format!("more than {ACT_MAX}")
+    } else {
+        matching.to_string()
+    };
+    let mut body = html::filter_form(&format!("{p}/dead"), &q.filter, false);
+    body += &format!("<p>{count} dead letters match.</p>");
+    if ui.settings.actions && matching > 0 && matching <= ACT_MAX {
+        let token = esc(&csrf.value);
+        for (verb, label) in [("replay", "Replay"), ("purge", "Purge")] {
+            body += &format!(
+                "<form class=\"actions\" method=\"post\" action=\"{}/dead/{verb}\">{}\
+                 <input type=\"hidden\" name=\"expected\" value=\"{matching}\"><input type=\"hidden\" name=\"csrf\" value=\"{token}\">\
+                 <button>{label} all {matching} matching</button></form>",
+                esc(p),
+                q.filter.hidden()
+            );
+        }
+    }
+    body += &html::rows(p, "/dead", &page, &q.filter);
+    answer(
+        &ui,
+        &headers,
+        &csrf,
+        StatusCode::OK,
+        "Dead letters",
+        body,
+        json!({ "matching": matching, "page": page }),
+    )
+}

@@ -1,0 +1,434 @@
+//! The operator console (`[ui]`) over HTTP against a real relay and PostgreSQL: the overview, the
+//! filtered and paginated lists, a message's page, JSON at the same URLs, bad input as a 4xx with
+//! its reason, and actions only with the token, from the console's own pages.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{TestDb, free_port, hermetic};
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_postbox");
+const TOKEN: &str = "a-console-token-of-some-length";
+
+/// A relay serving the console, killed when dropped.
+struct Console {
+    child: Child,
+    port: u16,
+    _config: std::path::PathBuf,
+}
+
+impl Console {
+    fn start(db: &TestDb, ui: &str) -> Console {
+        let port = free_port();
+        let config = std::env::temp_dir().join(format!("postbox-ui-{port}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "database_url = \"{}\"\n[metrics]\nlisten = \"off\"\n[ui]\nenabled = true\nlisten = \"127.0.0.1:{port}\"\n{ui}\n",
+                db.url
+            ),
+        )
+        .unwrap();
+        let child = hermetic(BIN)
+            .args(["run", "--config", config.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "the console never listened");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Console {
+            child,
+            port,
+            _config: config,
+        }
+    }
+
+    /// One request; the status, the headers (lower-cased names) and the body.
+    fn request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> (u16, String, String) {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nConnection: close\r\n",
+            self.port
+        );
+        for (k, v) in headers {
+            req += &format!("{k}: {v}\r\n");
+        }
+        if method == "POST" {
+            req += &format!(
+                "Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n",
+                body.len()
+            );
+        }
+        req += "\r\n";
+        req += body;
+        s.write_all(req.as_bytes()).unwrap();
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).unwrap();
+        let (head, body) = buf.split_once("\r\n\r\n").unwrap_or((&buf, ""));
+        let code = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+        (code, head.to_lowercase(), body.to_owned())
+    }
+
+    fn json(&self, path: &str) -> (u16, Value) {
+        let (code, _, body) = self.request("GET", path, &[("Accept", "application/json")], "");
+        (
+            code,
+            serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}")),
+        )
+    }
+
+    fn post(&self, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+        let mut h = vec![("Accept", "application/json")];
+        h.extend_from_slice(headers);
+        let (code, _, body) = self.request("POST", path, &h, body);
+        (code, body)
+    }
+}
+
+impl Drop for Console {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self._config);
+    }
+}
+
+fn enc(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// Three topics of messages, paused so that the relay leaves them queued, and dead letters.
+fn seeded() -> TestDb {
+    let db = TestDb::migrated();
+    db.exec(
+        "INSERT INTO postbox.pauses (pattern) VALUES ('*');
+         INSERT INTO postbox.messages (topic, key, payload, headers)
+         SELECT (ARRAY['orders','emails','reports'])[1 + i % 3], 'c-' || (i % 50),
+                jsonb_build_object('customer', 'c-' || (i % 50), 'n', i), '{\"type\": \"created\"}'
+         FROM generate_series(1, 3000) i;
+         INSERT INTO postbox.messages (topic, payload) VALUES ('orders', '{\"note\": \"<script>alert(1)</script>\"}');
+         INSERT INTO postbox.dead_letters (id, topic, key, ordered, payload, headers, priority, attempts, max_attempts, created_at, reason)
+         SELECT 100000 + i, 'orders', 'd-' || i, false, jsonb_build_object('customer', 'c-' || (i % 3)), '{}', 0, 3, 3, now(), 'boom'
+         FROM generate_series(1, 9) i;",
+    );
+    db
+}
+
+#[test]
+fn the_console_filters_pages_and_answers_json_and_html() {
+    let db = seeded();
+    let ui = Console::start(&db, "");
+
+    let (code, overview) = ui.json("/");
+    assert_eq!(code, 200);
+    let topics = overview["topics"].as_array().unwrap();
+    let orders = topics.iter().find(|t| t["topic"] == "orders").unwrap();
+    assert_eq!(orders["available"], 1001);
+    assert_eq!(orders["dead"], 9);
+    assert_eq!(overview["paused"], json!(["*"]));
+
+    // A JSON containment filter, followed page by page: exactly the matching rows, newest first.
+    let filter = format!("topic=orders&payload={}", enc(r#"{"customer": "c-42"}"#));
+    let mut seen = Vec::new();
+    let mut path = format!("/messages?{filter}&limit=7");
+    loop {
+        let (code, page) = ui.json(&path);
+        assert_eq!(code, 200, "{page}");
+        for row in page["rows"].as_array().unwrap() {
+            assert_eq!(row["topic"], "orders");
+            assert_eq!(row["payload"]["customer"], "c-42");
+            seen.push(row["id"].as_i64().unwrap());
+        }
+        match page["next"].as_i64() {
+            Some(next) => path = format!("/messages?{filter}&limit=7&before={next}"),
+            None => break,
+        }
+    }
+    let expected: Vec<i64> = {
+        let mut v: Vec<i64> = (1..=3000)
+            .filter(|i| 1 + i % 3 == 1 && i % 50 == 42)
+            .map(|i| i as i64)
+            .collect();
+        v.reverse();
+        v
+    };
+    // Ids are 1..=3000 in insertion order on a fresh database.
+    assert_eq!(seen, expected);
+    assert_eq!(
+        seen.iter().collect::<BTreeSet<_>>().len(),
+        seen.len(),
+        "no row twice"
+    );
+
+    // Glob topics and a state; an id range.
+    let (_, page) =
+        ui.json("/messages?topic=em*,rep*&state=available&min_id=10&max_id=20&limit=50");
+    let ids: Vec<i64> = page["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ids, vec![20, 19, 17, 16, 14, 13, 11, 10]);
+
+    // A message's page.
+    let (code, m) = ui.json("/messages/42");
+    assert_eq!(code, 200);
+    assert_eq!(m["status"], "queued");
+    assert_eq!(m["payload"]["n"], 42);
+
+    // Bad input: a 4xx that says what is wrong, as a page and as JSON.
+    for (path, code, says) in [
+        (
+            format!("/messages?payload={}", enc("{bad")),
+            400,
+            "payload: not valid JSON",
+        ),
+        ("/messages?state=gone".to_owned(), 400, "state"),
+        ("/messages?min_id=x".to_owned(), 400, "min_id"),
+        ("/messages?older_than=soon".to_owned(), 400, "older_than"),
+        ("/messages?limit=100000".to_owned(), 400, "limit"),
+        ("/messages/abc".to_owned(), 400, "not a message id"),
+        ("/messages/999999".to_owned(), 404, "no message 999999"),
+        (format!("/dead?headers={}", enc("[1]")), 400, "headers"),
+    ] {
+        let (got, _, body) = ui.request("GET", &path, &[], "");
+        assert_eq!(got, code, "{path}: {body}");
+        assert!(body.contains(says), "{path}: {body}");
+        let (got, v) = ui.json(&path);
+        assert_eq!(got, code, "{path}");
+        assert!(v["error"].as_str().unwrap().contains(says), "{path}: {v}");
+    }
+
+    // HTML: values are escaped, the page sets its CSRF cookie, read-only pages show no forms.
+    let (code, head, body) = ui.request("GET", "/messages?topic=orders&limit=1", &[], "");
+    assert_eq!(code, 200);
+    assert!(head.contains("set-cookie: postbox_csrf="), "{head}");
+    assert!(
+        !body.contains("<script>alert"),
+        "a payload's markup must be escaped"
+    );
+    assert!(body.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
+    let (_, _, dead) = ui.request("GET", "/dead", &[], "");
+    assert!(dead.contains("9 dead letters match"), "{dead}");
+    assert!(
+        !dead.contains("<form class=\"actions\""),
+        "read-only: no action forms"
+    );
+}
+
+#[test]
+fn actions_need_the_token_and_a_form_of_the_console() {
+    let db = seeded();
+    let ui = Console::start(&db, &format!("actions = true\ntoken = \"{TOKEN}\""));
+    let paused = || db.scalar("SELECT count(*) AS v FROM postbox.pauses");
+    let dead = || db.scalar("SELECT count(*) AS v FROM postbox.dead_letters");
+    let basic = format!("Basic {}", base64(&format!("oncall:{TOKEN}")));
+    let bearer = format!("Bearer {TOKEN}");
+
+    // No credential, a wrong one: refused, nothing changed.
+    let (code, body) = ui.post("/topics/resume", &[], "topic=*");
+    assert_eq!(code, 401, "{body}");
+    let (code, _) = ui.post(
+        "/topics/resume",
+        &[("Authorization", "Bearer not-the-token-at-all")],
+        "topic=*",
+    );
+    assert_eq!(code, 401);
+    // A browser's credential without the page's CSRF token, or from another site: refused.
+    let (code, body) = ui.post("/topics/resume", &[("Authorization", &basic)], "topic=*");
+    assert_eq!(code, 403, "{body}");
+    let (code, _) = ui.post(
+        "/topics/resume",
+        &[
+            ("Authorization", &basic),
+            ("Cookie", "postbox_csrf=abc"),
+            ("Origin", "http://evil.example"),
+        ],
+        "topic=*&csrf=abc",
+    );
+    assert_eq!(code, 403);
+    let (code, _) = ui.post(
+        "/topics/resume",
+        &[
+            ("Authorization", &basic),
+            ("Cookie", "postbox_csrf=abc"),
+            ("Sec-Fetch-Site", "cross-site"),
+        ],
+        "topic=*&csrf=abc",
+    );
+    assert_eq!(code, 403);
+    assert_eq!(paused(), 1);
+
+    // The console's own form: the cookie its page set, the same token in the form.
+    let (_, head, page) = ui.request("GET", "/", &[("Authorization", &basic)], "");
+    let cookie = head
+        .lines()
+        .find_map(|l| l.strip_prefix("set-cookie: postbox_csrf="))
+        .and_then(|v| v.split(';').next())
+        .unwrap()
+        .to_owned();
+    assert!(
+        page.contains(&format!("name=\"csrf\" value=\"{cookie}\"")),
+        "the form carries the cookie's token"
+    );
+    let (code, body) = ui.post(
+        "/topics/resume",
+        &[
+            ("Authorization", &basic),
+            ("Cookie", &format!("postbox_csrf={cookie}")),
+            ("Origin", &format!("http://127.0.0.1:{}", ui.port)),
+        ],
+        &format!("topic={}&csrf={cookie}", enc("*")),
+    );
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(paused(), 0);
+    let (code, _) = ui.post(
+        "/topics/pause",
+        &[("Authorization", &bearer)],
+        "topic=orders",
+    );
+    assert_eq!(code, 200);
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.pauses WHERE pattern = 'orders'"),
+        1
+    );
+
+    // Replay everything a filter matches, with the count the user saw; a stale count is refused.
+    let filter = format!("payload={}", enc(r#"{"customer": "c-1"}"#));
+    let (_, listed) = ui.json(&format!("/dead?{filter}"));
+    assert_eq!(listed["matching"], 3);
+    let (code, body) = ui.post(
+        "/dead/replay",
+        &[("Authorization", &bearer)],
+        &format!("{filter}&expected=2"),
+    );
+    assert_eq!(code, 409, "{body}");
+    assert_eq!(dead(), 9);
+    let (code, body) = ui.post(
+        "/dead/replay",
+        &[("Authorization", &bearer)],
+        &format!("{filter}&expected=3"),
+    );
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(dead(), 6);
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.messages WHERE id IN (100001, 100004, 100007)"
+        ),
+        3
+    );
+    let (code, _) = ui.post(
+        "/dead/purge",
+        &[("Authorization", &bearer)],
+        "topic=orders&expected=6",
+    );
+    assert_eq!(code, 200);
+    assert_eq!(dead(), 0);
+}
+
+#[test]
+fn a_read_only_console_refuses_actions_and_can_hide_payloads() {
+    let db = seeded();
+    let ui = Console::start(&db, "show_payloads = false");
+    let (code, body) = ui.post(
+        "/topics/resume",
+        &[("Authorization", &format!("Bearer {TOKEN}"))],
+        "topic=*",
+    );
+    assert_eq!(code, 403, "{body}");
+    assert!(body.contains("read-only"));
+    let (_, page) = ui.json("/messages?topic=orders&limit=3");
+    for row in page["rows"].as_array().unwrap() {
+        assert_eq!(row["payload"], Value::Null);
+    }
+    let (_, m) = ui.json("/messages/42");
+    assert_eq!(m["payload"], Value::Null);
+    let (_, _, html) = ui.request("GET", "/messages/42", &[], "");
+    assert!(
+        html.contains("hidden") && !html.contains("\"n\": 42"),
+        "{html}"
+    );
+}
+
+#[test]
+fn bad_console_settings_name_their_field() {
+    for (toml, env, field) in [
+        ("[ui]\nenabled = true\nactions = true\n", None, "ui.actions"),
+        (
+            "[ui]\nenabled = true\ntoken = \"short\"\n",
+            None,
+            "ui.token",
+        ),
+        ("[ui]\nenabled = true\n", Some("short"), "POSTBOX_UI_TOKEN"),
+        (
+            "[ui]\nenabled = true\nlisten = \"nowhere\"\n",
+            None,
+            "ui.listen",
+        ),
+        (
+            "[ui]\nenabled = true\npath_prefix = \"postbox/\"\n",
+            None,
+            "ui.path_prefix",
+        ),
+    ] {
+        let config =
+            std::env::temp_dir().join(format!("postbox-ui-bad-{}.toml", fastrand::u64(..)));
+        std::fs::write(&config, toml).unwrap();
+        let mut cmd = hermetic(BIN);
+        cmd.args(["--config", config.to_str().unwrap(), "config", "check"]);
+        if let Some(t) = env {
+            cmd.env("POSTBOX_UI_TOKEN", t);
+        }
+        let out = cmd.output().unwrap();
+        let _ = std::fs::remove_file(&config);
+        assert_eq!(out.status.code(), Some(2), "{toml}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(field), "{toml}: {err}");
+    }
+}
+
+fn base64(s: &str) -> String {
+    const A: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in s.as_bytes().chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(A[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
