@@ -123,10 +123,16 @@ fn enc(s: &str) -> String {
 
 /// Three topics of messages, paused so that the relay leaves them queued, and dead letters.
 fn seeded() -> TestDb {
+    let db = unpaused();
+    db.exec("INSERT INTO postbox.pauses (pattern) VALUES ('*')");
+    db
+}
+
+/// [`seeded`] without the pause.
+fn unpaused() -> TestDb {
     let db = TestDb::migrated();
     db.exec(
-        "INSERT INTO postbox.pauses (pattern) VALUES ('*');
-         INSERT INTO postbox.messages (topic, key, payload, headers)
+        "INSERT INTO postbox.messages (topic, key, payload, headers)
          SELECT (ARRAY['orders','emails','reports'])[1 + i % 3], 'c-' || (i % 50),
                 jsonb_build_object('customer', 'c-' || (i % 50), 'n', i), '{\"type\": \"created\"}'
          FROM generate_series(1, 3000) i;
@@ -431,4 +437,84 @@ fn base64(s: &str) -> String {
         }
     }
     out
+}
+
+/// What a person does in a real browser (headless Chromium): the overview, a JSON filter typed
+/// into the messages form, a message opened from the list, a topic paused and resumed with its
+/// buttons, every dead letter a filter matches replayed with its button; each effect checked in
+/// the database, and a screenshot of each page written to `target/ui-screenshots/`.
+#[test]
+fn a_person_uses_the_console_in_a_browser() {
+    let db = unpaused();
+    // Only `emails` is routed: the other topics stay queued for the pages to show.
+    let ui = Console::start(
+        &db,
+        &format!(
+            "actions = true\ntoken = \"{TOKEN}\"\n[[routes]]\ntopics = [\"emails\"]\nsink = \"log\""
+        ),
+    );
+    let shots = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/ui-screenshots");
+    let base = format!("http://127.0.0.1:{}", ui.port);
+    let browser = common::webdriver::Browser::start();
+    browser.always_send(
+        "Authorization",
+        &format!("Basic {}", base64(&format!("oncall:{TOKEN}"))),
+    );
+
+    browser.goto(&format!("{base}/"));
+    let text = browser.text();
+    assert!(
+        text.contains("orders") && text.contains("reports"),
+        "{text}"
+    );
+    browser.screenshot(&shots.join("overview.png"));
+
+    // Filter the messages by payload JSON, through the form.
+    browser.goto(&format!("{base}/messages"));
+    browser.fill("input[name=topic]", "orders");
+    browser.fill("input[name=payload]", r#"{"customer": "c-42"}"#);
+    browser.click("form.filter button[type=submit]");
+    browser.wait_url("payload=");
+    let text = browser.wait_for("c-42");
+    assert!(!text.contains("c-41 "), "{text}");
+    browser.screenshot(&shots.join("messages.png"));
+
+    // Open the first message of the list.
+    browser.click("tbody td a");
+    browser.wait_for("queued");
+    assert!(browser.url().contains("/messages/"), "{}", browser.url());
+    browser.screenshot(&shots.join("message.png"));
+
+    // Pause a topic with its button, then resume it.
+    browser.goto(&format!("{base}/"));
+    browser.click("form[action='/topics/pause'] input[value=reports] ~ button");
+    browser.wait_for("paused reports");
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.pauses WHERE pattern = 'reports'"),
+        1
+    );
+    browser.goto(&format!("{base}/"));
+    browser.screenshot(&shots.join("overview-paused.png"));
+    browser.click("form[action='/topics/resume'] input[value=reports] ~ button");
+    browser.wait_for("resumed reports");
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.pauses"), 0);
+
+    // Replay every dead letter a filter matches.
+    browser.goto(&format!("{base}/dead"));
+    browser.fill("input[name=payload]", r#"{"customer": "c-2"}"#);
+    browser.click("form.filter button[type=submit]");
+    browser.wait_for("3 dead letters match");
+    browser.screenshot(&shots.join("dead.png"));
+    browser.click("form[action='/dead/replay'] button");
+    browser.wait_for("replayed 3 dead letters");
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters"),
+        6
+    );
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.messages WHERE id IN (100002, 100005, 100008)"
+        ),
+        3
+    );
 }

@@ -13,6 +13,7 @@ pub mod broker;
 pub mod proxy;
 pub mod relay;
 pub mod scram_front;
+pub mod webdriver;
 
 /// Server to test against: `POSTBOX_TEST_DATABASE_URL` (without a database name), or the local
 /// default.

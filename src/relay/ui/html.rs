@@ -75,8 +75,9 @@ pub fn error(message: &str) -> String {
 pub fn filter_form(action: &str, f: &FilterText, with_state: bool) -> String {
     let input = |name: &str, label: &str, value: &str, hint: &str| {
         format!(
-            "<label>{label}<input name=\"{name}\" value=\"{}\" placeholder=\"{hint}\"></label>",
-            esc(value)
+            "<label>{label}<input name=\"{name}\" value=\"{}\" placeholder=\"{}\"></label>",
+            esc(value),
+            esc(hint)
         )
     };
     let mut out = format!(
