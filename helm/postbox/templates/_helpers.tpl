@@ -111,6 +111,16 @@ liveness_interval = {{ .livenessInterval | quote }}
 {{- end }}
 {{- end }}
 
+{{- if .Values.ui.enabled }}
+
+[ui]
+enabled = true
+listen = "0.0.0.0:{{ .Values.ui.port | int }}"
+path_prefix = {{ .Values.ui.pathPrefix | quote }}
+actions = {{ .Values.ui.actions }}
+show_payloads = {{ .Values.ui.showPayloads }}
+{{- end }}
+
 [metrics]
 listen = "0.0.0.0:{{ .Values.config.metrics.port | int }}"
 sample_interval = {{ .Values.config.metrics.sampleInterval | quote }}
