@@ -221,6 +221,18 @@ fn the_console_filters_pages_and_answers_json_and_html() {
         ("/messages/abc".to_owned(), 400, "not a message id"),
         ("/messages/999999".to_owned(), 404, "no message 999999"),
         (format!("/dead?headers={}", enc("[1]")), 400, "headers"),
+        ("/dead?state=available".to_owned(), 400, "state"),
+        ("/messages?key=%00".to_owned(), 400, "NUL"),
+        (
+            format!("/messages?payload={}", enc(r#"{"a": "\u0000"}"#)),
+            400,
+            "NUL",
+        ),
+        (
+            "/messages?older_than=99999999999d".to_owned(),
+            400,
+            "older_than",
+        ),
     ] {
         let (got, _, body) = ui.request("GET", &path, &[], "");
         assert_eq!(got, code, "{path}: {body}");
@@ -324,37 +336,64 @@ fn actions_need_the_token_and_a_form_of_the_console() {
         1
     );
 
-    // Replay everything a filter matches, with the count the user saw; a stale count is refused.
-    let filter = format!("payload={}", enc(r#"{"customer": "c-1"}"#));
+    // Replay everything a filter matches — the topic filter included: another topic's dead
+    // letters that match the payload stay — with the count and the selection the user saw.
+    db.exec(
+        "INSERT INTO postbox.dead_letters (id, topic, ordered, payload, headers, priority, attempts, max_attempts, created_at, reason)
+         VALUES (200001, 'emails', false, '{\"customer\": \"c-1\"}', '{}', 0, 3, 3, now(), 'boom'),
+                (200002, 'emails', false, '{\"customer\": \"c-1\"}', '{}', 0, 3, 3, now(), 'boom')",
+    );
+    let filter = format!("topic=orders&payload={}", enc(r#"{"customer": "c-1"}"#));
     let (_, listed) = ui.json(&format!("/dead?{filter}"));
     assert_eq!(listed["matching"], 3);
+    let selection = listed["selection"].as_str().unwrap().to_owned();
+    // A stale count, or no selection: refused, nothing changed.
+    for form in [
+        format!("{filter}&expected=2&selection={selection}"),
+        format!("{filter}&expected=3"),
+    ] {
+        let (code, body) = ui.post("/dead/replay", &[("Authorization", &bearer)], &form);
+        assert_eq!(code, 409, "{form}: {body}");
+        assert_eq!(dead(), 11);
+    }
     let (code, body) = ui.post(
         "/dead/replay",
         &[("Authorization", &bearer)],
-        &format!("{filter}&expected=2"),
-    );
-    assert_eq!(code, 409, "{body}");
-    assert_eq!(dead(), 9);
-    let (code, body) = ui.post(
-        "/dead/replay",
-        &[("Authorization", &bearer)],
-        &format!("{filter}&expected=3"),
+        &format!("{filter}&expected=3&selection={selection}"),
     );
     assert_eq!(code, 200, "{body}");
-    assert_eq!(dead(), 6);
+    assert_eq!(dead(), 8);
     assert_eq!(
         db.scalar(
             "SELECT count(*) AS v FROM postbox.messages WHERE id IN (100001, 100004, 100007)"
         ),
         3
     );
-    let (code, _) = ui.post(
-        "/dead/purge",
-        &[("Authorization", &bearer)],
-        "topic=orders&expected=6",
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters WHERE topic = 'emails'"),
+        2
     );
+
+    // The same count but not the same dead letters (one went, another came to match): refused.
+    let (_, listed) = ui.json("/dead?topic=orders");
+    assert_eq!(listed["matching"], 6);
+    let selection = listed["selection"].as_str().unwrap().to_owned();
+    db.exec(
+        "DELETE FROM postbox.dead_letters WHERE id = 100002;
+         INSERT INTO postbox.dead_letters (id, topic, ordered, payload, headers, priority, attempts, max_attempts, created_at, reason)
+         VALUES (300001, 'orders', false, '{}', '{}', 0, 3, 3, now(), 'boom')",
+    );
+    let form = format!("topic=orders&expected=6&selection={selection}");
+    let (code, _) = ui.post("/dead/purge", &[("Authorization", &bearer)], &form);
+    assert_eq!(code, 409);
+    let (_, listed) = ui.json("/dead?topic=orders");
+    let form = format!(
+        "topic=orders&expected=6&selection={}",
+        listed["selection"].as_str().unwrap()
+    );
+    let (code, _) = ui.post("/dead/purge", &[("Authorization", &bearer)], &form);
     assert_eq!(code, 200);
-    assert_eq!(dead(), 0);
+    assert_eq!(dead(), 2, "the other topic's dead letters stay");
 }
 
 #[test]
@@ -374,6 +413,9 @@ fn a_read_only_console_refuses_actions_and_can_hide_payloads() {
     }
     let (_, m) = ui.json("/messages/42");
     assert_eq!(m["payload"], Value::Null);
+    // A payload filter would tell hidden payloads one guess at a time.
+    let (code, v) = ui.json(&format!("/messages?payload={}", enc(r#"{"n": 42}"#)));
+    assert_eq!(code, 400, "{v}");
     let (_, _, html) = ui.request("GET", "/messages/42", &[], "");
     assert!(
         html.contains("hidden") && !html.contains("\"n\": 42"),
@@ -517,4 +559,18 @@ fn a_person_uses_the_console_in_a_browser() {
         ),
         3
     );
+}
+
+#[test]
+fn behind_a_path_prefix_every_link_carries_it() {
+    let db = seeded();
+    let ui = Console::start(&db, "path_prefix = \"/pb\"");
+    for path in ["/pb", "/pb/messages", "/pb/dead", "/pb/messages/42"] {
+        let (code, _, body) = ui.request("GET", path, &[], "");
+        assert_eq!(code, 200, "{path}");
+        assert!(body.contains("href=\"/pb\">Overview"), "{path}");
+        assert!(body.contains("href=\"/pb/messages\""), "{path}");
+    }
+    let (code, _, _) = ui.request("GET", "/messages", &[], "");
+    assert_eq!(code, 404);
 }

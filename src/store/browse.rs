@@ -216,8 +216,8 @@ impl Store {
             .await
     }
 
-    /// A page of dead letters matching `filter` (its `state`, if set, must be `dead`), newest
-    /// first, as [`Store::browse_messages`].
+    /// A page of dead letters matching `filter` (whose `state` must not be set), newest first, as
+    /// [`Store::browse_messages`].
     pub async fn browse_dead(
         &self,
         filter: &Filter,

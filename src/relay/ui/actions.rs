@@ -13,7 +13,8 @@ use super::html::{FilterText, esc, parse_filter};
 use super::{ACT_MAX, Csrf, Shared, Ui, answer, database_error, refuse};
 use crate::store::DeadSelector;
 
-/// A form of an action: the filter it applies to, the count the user confirmed, the CSRF token.
+/// The form of a dead-letter action: the filter it applies to, the count and the selection (a
+/// digest of the ids) the user was shown, the CSRF token.
 #[derive(Debug, Default, serde::Deserialize)]
 pub(super) struct ActionForm {
     #[serde(flatten)]
@@ -21,9 +22,34 @@ pub(super) struct ActionForm {
     #[serde(default)]
     expected: String,
     #[serde(default)]
+    selection: String,
+    #[serde(default)]
     csrf: String,
+}
+
+/// The form of a topic's action: the topic (or pattern) and the CSRF token.
+#[derive(Debug, Default, serde::Deserialize)]
+pub(super) struct TopicForm {
     #[serde(default)]
     topic: String,
+    #[serde(default)]
+    csrf: String,
+}
+
+/// A digest of a selection of ids (sorted), shown with its count: an action acts only on the very
+/// dead letters the user saw, not on others that came to match meanwhile.
+pub(super) fn selection(ids: &[i64]) -> String {
+    // FNV-1a: the same in every replica of a version, and enough to tell two selections apart.
+    let mut sorted = ids.to_vec();
+    sorted.sort_unstable();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for id in sorted {
+        for b in id.to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    format!("{h:016x}")
 }
 
 /// Whether the request may act: actions on, the token, the same site. Returns who acts, for the
@@ -88,7 +114,17 @@ async fn dead_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, replay: bool) 
         Ok(ids) => ids,
         Err(e) => return database_error(&ui, &headers, e),
     };
-    if ids.len() as i64 != expected {
+    if expected > ACT_MAX || ids.len() as i64 > ACT_MAX {
+        return refuse(
+            &ui,
+            &headers,
+            (
+                StatusCode::BAD_REQUEST,
+                format!("more than {ACT_MAX} dead letters match: narrow the filter"),
+            ),
+        );
+    }
+    if ids.len() as i64 != expected || f.selection.trim() != selection(&ids) {
         return refuse(
             &ui,
             &headers,
@@ -121,7 +157,7 @@ async fn dead_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, replay: bool) 
         }
     }
     let verb = if replay { "replayed" } else { "purged" };
-    tracing::info!(target: "postbox::ui::audit", who = %who, action = verb, filter = %f.filter.query(), done, skipped, "console action");
+    tracing::info!(target: "postbox::ui::audit", who = %who, action = verb, filter = ?f.filter.query(), done, skipped, "console action");
     let message = format!(
         "{verb} {done} dead letters{}",
         if skipped > 0 {
@@ -148,7 +184,7 @@ async fn dead_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, replay: bool) 
 pub(super) async fn pause(
     State(ui): Shared,
     headers: HeaderMap,
-    Form(f): Form<ActionForm>,
+    Form(f): Form<TopicForm>,
 ) -> Response {
     topic_act(ui, headers, f, true).await
 }
@@ -156,12 +192,12 @@ pub(super) async fn pause(
 pub(super) async fn resume(
     State(ui): Shared,
     headers: HeaderMap,
-    Form(f): Form<ActionForm>,
+    Form(f): Form<TopicForm>,
 ) -> Response {
     topic_act(ui, headers, f, false).await
 }
 
-async fn topic_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, pause: bool) -> Response {
+async fn topic_act(ui: Arc<Ui>, headers: HeaderMap, f: TopicForm, pause: bool) -> Response {
     let csrf = Csrf::of(&headers);
     let who = match may_act(&ui, &headers, &f.csrf) {
         Ok(w) => w,
@@ -188,7 +224,7 @@ async fn topic_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, pause: bool) 
         Err(e) => return database_error(&ui, &headers, e),
     };
     let verb = if pause { "paused" } else { "resumed" };
-    tracing::info!(target: "postbox::ui::audit", who = %who, action = verb, topic = %f.topic, "console action");
+    tracing::info!(target: "postbox::ui::audit", who = %who, action = verb, topic = ?f.topic, "console action");
     let message = format!(
         "{verb} {}{}",
         f.topic,
@@ -201,9 +237,9 @@ async fn topic_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, pause: bool) 
         StatusCode::OK,
         "Done",
         format!(
-            "<p class=\"notice\" role=\"status\">{}</p><p><a href=\"{}/\">Overview</a></p>",
+            "<p class=\"notice\" role=\"status\">{}</p><p><a href=\"{}\">Overview</a></p>",
             esc(&message),
-            esc(&ui.settings.path_prefix)
+            esc(&super::html::home(&ui.settings.path_prefix))
         ),
         json!({ verb: n }),
     )

@@ -64,14 +64,18 @@ pub fn authenticate(headers: &HeaderMap, token: &str) -> Result<Credential, Refu
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .ok_or_else(unauthorized)?;
-    if let Some(given) = value.strip_prefix("Bearer ") {
+    // The scheme's name is case-insensitive (RFC 7235).
+    let (scheme, rest) = value.split_once(' ').ok_or_else(unauthorized)?;
+    let bearer = scheme.eq_ignore_ascii_case("bearer").then_some(rest);
+    let basic = scheme.eq_ignore_ascii_case("basic").then_some(rest);
+    if let Some(given) = bearer {
         return if same(given.trim().as_bytes(), token.as_bytes()) {
             Ok(Credential::Bearer)
         } else {
             Err(unauthorized())
         };
     }
-    if let Some(encoded) = value.strip_prefix("Basic ") {
+    if let Some(encoded) = basic {
         let decoded = base64_decode(encoded.trim()).ok_or_else(unauthorized)?;
         let password = decoded
             .splitn(2, |&b| b == b':')

@@ -58,12 +58,22 @@ pub fn page(prefix: &str, title: &str, notice: Option<&str>, body: &str) -> Stri
          <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
          <title>{t} · postbox</title><style>{STYLE}</style></head><body>\
          <header><strong>postbox</strong><nav aria-label=\"pages\">\
-         <a href=\"{p}/\">Overview</a> · <a href=\"{p}/messages\">Messages</a> · \
+         <a href=\"{h}\">Overview</a> · <a href=\"{p}/messages\">Messages</a> · \
          <a href=\"{p}/dead\">Dead letters</a></nav></header>\
          <main><h1>{t}</h1>{notice}{body}</main></body></html>",
         t = esc(title),
         p = esc(prefix),
+        h = esc(&home(prefix)),
     )
+}
+
+/// The overview's URL: `/`, or the prefix itself.
+pub fn home(prefix: &str) -> String {
+    if prefix.is_empty() {
+        "/".to_owned()
+    } else {
+        prefix.to_owned()
+    }
 }
 
 /// An error page's body.
@@ -264,6 +274,23 @@ pub fn parse_filter(f: &FilterText) -> Result<Filter, String> {
             .map(Some)
             .map_err(|e| format!("{name}: not valid JSON ({e})"))
     };
+    let no_nul = |name: &str, v: &str| -> Result<(), String> {
+        if v.contains('\0') || v.contains("\\u0000") {
+            Err(format!(
+                "{name}: contains a NUL character, which PostgreSQL cannot store"
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    for (name, v) in [
+        ("topic", &f.topic),
+        ("key", &f.key),
+        ("payload", &f.payload),
+        ("headers", &f.headers),
+    ] {
+        no_nul(name, v)?;
+    }
     let filter = Filter {
         topics: f
             .topic
@@ -279,10 +306,12 @@ pub fn parse_filter(f: &FilterText) -> Result<Filter, String> {
         older_than: if f.older_than.trim().is_empty() {
             None
         } else {
-            Some(
-                crate::config::parse_duration(f.older_than.trim())
-                    .map_err(|e| format!("older_than: {e}"))?,
-            )
+            let d = crate::config::parse_duration(f.older_than.trim())
+                .map_err(|e| format!("older_than: {e}"))?;
+            if d > std::time::Duration::from_secs(100 * 365 * 86_400) {
+                return Err("older_than: at most 100 years".into());
+            }
+            Some(d)
         },
         payload: json("payload", &f.payload)?,
         headers: json("headers", &f.headers)?,

@@ -156,6 +156,9 @@ pub(super) async fn messages(
         Ok(x) => x,
         Err(e) => return refuse(&ui, &headers, (StatusCode::BAD_REQUEST, e)),
     };
+    if let Some(r) = hidden_payload_filter(&ui, &filter) {
+        return refuse(&ui, &headers, r);
+    }
     let page = match ui
         .store
         .browse_messages(&filter, before, limit, ui.settings.show_payloads)
@@ -255,14 +258,29 @@ pub(super) async fn dead(
         Ok(x) => x,
         Err(e) => return refuse(&ui, &headers, (StatusCode::BAD_REQUEST, e)),
     };
-    let (page, matching) = match tokio::try_join!(
+    if filter.state.is_some() {
+        return refuse(
+            &ui,
+            &headers,
+            (
+                StatusCode::BAD_REQUEST,
+                "state: dead letters have no state to filter on".into(),
+            ),
+        );
+    }
+    if let Some(r) = hidden_payload_filter(&ui, &filter) {
+        return refuse(&ui, &headers, r);
+    }
+    let (page, ids) = match tokio::try_join!(
         ui.store
             .browse_dead(&filter, before, limit, ui.settings.show_payloads),
-        ui.store.count_dead(&filter, ACT_MAX + 1)
+        ui.store.dead_ids(&filter, None, ACT_MAX + 1)
     ) {
         Ok(x) => x,
         Err(e) => return database_error(&ui, &headers, e),
     };
+    let matching = ids.len() as i64;
+    let selection = super::actions::selection(&ids);
     let p = &ui.settings.path_prefix;
     let count = if matching > ACT_MAX {
         format!("more than {ACT_MAX}")
@@ -276,7 +294,7 @@ pub(super) async fn dead(
         for (verb, label) in [("replay", "Replay"), ("purge", "Purge")] {
             body += &format!(
                 "<form class=\"actions\" method=\"post\" action=\"{}/dead/{verb}\">{}\
-                 <input type=\"hidden\" name=\"expected\" value=\"{matching}\"><input type=\"hidden\" name=\"csrf\" value=\"{token}\">\
+                 <input type=\"hidden\" name=\"expected\" value=\"{matching}\"><input type=\"hidden\" name=\"selection\" value=\"{selection}\"><input type=\"hidden\" name=\"csrf\" value=\"{token}\">\
                  <button>{label} all {matching} matching</button></form>",
                 esc(p),
                 q.filter.hidden()
@@ -291,6 +309,16 @@ pub(super) async fn dead(
         StatusCode::OK,
         "Dead letters",
         body,
-        json!({ "matching": matching, "page": page }),
+        json!({ "matching": matching, "selection": selection, "page": page }),
     )
+}
+
+/// With payloads hidden, a payload filter would tell them one guess at a time: refused.
+fn hidden_payload_filter(ui: &super::Ui, filter: &Filter) -> Option<super::guard::Refusal> {
+    (!ui.settings.show_payloads && filter.payload.is_some()).then(|| {
+        (
+            StatusCode::BAD_REQUEST,
+            "payload: payloads are hidden here ([ui] show_payloads = false), so they cannot be filtered on".into(),
+        )
+    })
 }
