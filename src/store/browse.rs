@@ -284,13 +284,6 @@ impl Store {
         })
     }
 
-    /// How many dead letters match `filter`, counted up to `cap` (the page says "more than" at
-    /// the cap rather than counting millions).
-    pub async fn count_dead(&self, filter: &Filter, cap: i64) -> Result<i64> {
-        let ids = self.dead_ids(filter, None, cap).await?;
-        Ok(ids.len() as i64)
-    }
-
     /// The ids of the dead letters matching `filter`, newest first, below `before`, at most
     /// `limit` (for replaying or purging everything a filter matches, a batch at a time).
     pub async fn dead_ids(

@@ -66,27 +66,6 @@ pub async fn serve_ui(
     Ok(tokio::spawn(super::serve::serve(listener, app, stop)))
 }
 
-/// Whether `topic` matches `pattern` (`*`: any run of characters), as a pause does.
-pub(super) fn glob(pattern: &str, topic: &str) -> bool {
-    let parts: Vec<&str> = pattern.split('*').collect();
-    if parts.len() == 1 {
-        return pattern == topic;
-    }
-    let (first, last) = (parts[0], parts[parts.len() - 1]);
-    if !topic.starts_with(first) || topic.len() < first.len() + last.len() || !topic.ends_with(last)
-    {
-        return false;
-    }
-    let mut rest = &topic[first.len()..topic.len() - last.len()];
-    for part in &parts[1..parts.len() - 1] {
-        match rest.find(part) {
-            Some(i) => rest = &rest[i + part.len()..],
-            None => return false,
-        }
-    }
-    true
-}
-
 /// Whether the client asked for JSON.
 pub(super) fn wants_json(headers: &HeaderMap) -> bool {
     headers

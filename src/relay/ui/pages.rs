@@ -6,7 +6,7 @@ use axum::response::Response;
 use serde_json::json;
 
 use super::html::{self, FilterText, esc, parse_filter};
-use super::{ACT_MAX, Csrf, PAGE_DEFAULT, Shared, answer, database_error, glob, refuse};
+use super::{ACT_MAX, Csrf, PAGE_DEFAULT, Shared, answer, database_error, refuse};
 use crate::store::browse::{Filter, PAGE_MAX};
 
 pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response {
@@ -46,8 +46,10 @@ pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response 
     }
     body += "<table><thead><tr><th>topic</th><th>available</th><th>scheduled</th><th>running</th>\
              <th>waiting</th><th>dead</th><th>oldest available</th><th></th></tr></thead><tbody>";
+    // The same rule the claims apply to the pauses.
+    let paused_topics = crate::store::Topics::only(&paused);
     for t in &stats.topics {
-        let is_paused = paused.iter().any(|pat| glob(pat, &t.topic));
+        let is_paused = paused_topics.matches(&t.topic);
         let action = if !ui.settings.actions {
             String::new()
         } else {
