@@ -481,18 +481,65 @@ fn base64(s: &str) -> String {
     out
 }
 
-/// What a person does in a real browser (headless Chromium): the overview, a JSON filter typed
-/// into the messages form, a message opened from the list, a topic paused and resumed with its
-/// buttons, every dead letter a filter matches replayed with its button; each effect checked in
-/// the database, and a screenshot of each page written to `target/ui-screenshots/`.
+/// A backlog of a million messages in three topics (`orders`, `invoices`, `reports`; not routed,
+/// so they stay), a thousand `emails` the relay delivers, and nine dead letters.
+fn million() -> TestDb {
+    let db = TestDb::migrated();
+    db.exec(
+        "INSERT INTO postbox.messages (topic, key, payload, headers)
+         SELECT (ARRAY['orders','invoices','reports'])[1 + i % 3], 'c-' || (i % 50),
+                jsonb_build_object('customer', 'c-' || (i % 50), 'n', i), '{\"type\": \"created\"}'
+         FROM generate_series(1, 1000000) i;
+         INSERT INTO postbox.messages (topic, payload)
+         SELECT 'emails', jsonb_build_object('n', i) FROM generate_series(1, 1000) i;
+         INSERT INTO postbox.dead_letters (id, topic, key, ordered, payload, headers, priority, attempts, max_attempts, created_at, reason)
+         SELECT 2000000 + i, 'orders', 'd-' || i, false, jsonb_build_object('customer', 'c-' || (i % 3)), '{}', 0, 3, 3, now(), 'boom'
+         FROM generate_series(1, 9) i;",
+    );
+    db
+}
+
+/// A page of another site (`localhost`, where the console is `127.0.0.1`) that posts a form to the
+/// console as soon as it loads: a forged cross-site request.
+fn forger(console_port: u16) -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let page = format!(
+        "<!doctype html><html><body><form id=\"f\" method=\"post\" action=\"http://127.0.0.1:{console_port}/topics/pause\">\
+         <input name=\"topic\" value=\"orders\"><input name=\"csrf\" value=\"guessed\"></form>\
+         <script>document.getElementById('f').submit()</script></body></html>"
+    );
+    std::thread::spawn(move || {
+        for mut s in listener.incoming().flatten() {
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let _ = write!(
+                s,
+                "HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{page}",
+                page.len()
+            );
+        }
+    });
+    port
+}
+
+/// What a person does in a real browser (headless Chromium), over a million-message backlog: the
+/// overview (with the relay's rate and sink), a JSON filter typed into the messages form, a
+/// message opened from the list, a topic paused and resumed with its buttons, every dead letter a
+/// filter matches replayed with its button, one picked and purged, a schedule run now, a message
+/// enqueued from the form; each effect checked in the database, and a screenshot of each page
+/// written to `target/ui-screenshots/`. A page of another site that posts to the console, in the
+/// same browser that holds the credentials, is refused.
 #[test]
 fn a_person_uses_the_console_in_a_browser() {
-    let db = unpaused();
+    let db = million();
     // Only `emails` is routed: the other topics stay queued for the pages to show.
     let ui = Console::start(
         &db,
         &format!(
-            "actions = true\ntoken = \"{TOKEN}\"\n[[routes]]\ntopics = [\"emails\"]\nsink = \"log\""
+            "actions = true\ntoken = \"{TOKEN}\"\n[[routes]]\ntopics = [\"emails\"]\nsink = \"log\"\n\
+             [[schedules]]\nname = \"nightly\"\ncron = \"0 0 3 * * *\"\ntopic = \"reports.nightly\"\n\
+             [[limits]]\ntopics = [\"emails\"]\nmax_running = 7"
         ),
     );
     let shots = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/ui-screenshots");
@@ -503,12 +550,18 @@ fn a_person_uses_the_console_in_a_browser() {
         &format!("Basic {}", base64(&format!("oncall:{TOKEN}"))),
     );
 
+    // The overview of the backlog; the routed topic drained, by the log sink, at its rate.
+    poll("emails delivered", || {
+        (db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE topic = 'emails'") == 0)
+            .then_some(())
+    });
     browser.goto(&format!("{base}/"));
     let text = browser.text();
     assert!(
-        text.contains("orders") && text.contains("reports"),
+        text.contains("orders") && text.contains("invoices") && text.contains("reports"),
         "{text}"
     );
+    assert!(text.contains("log up"), "{text}");
     browser.screenshot(&shots.join("overview.png"));
 
     // Filter the messages by payload JSON, through the form.
@@ -555,10 +608,70 @@ fn a_person_uses_the_console_in_a_browser() {
     );
     assert_eq!(
         db.scalar(
-            "SELECT count(*) AS v FROM postbox.messages WHERE id IN (100002, 100005, 100008)"
+            "SELECT count(*) AS v FROM postbox.messages WHERE id IN (2000002, 2000005, 2000008)"
         ),
         3
     );
+
+    // Pick one dead letter in the list and purge it.
+    browser.goto(&format!("{base}/dead"));
+    browser.click("input[type=checkbox][value='2000001']");
+    browser.click("form#pick button[value=purge]");
+    browser.wait_for("purged 1 of 1 picked dead letters");
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters WHERE id = 2000001"),
+        0
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters"),
+        5
+    );
+
+    // Run a schedule now.
+    browser.goto(&format!("{base}/schedules"));
+    browser.wait_for("nightly");
+    browser.screenshot(&shots.join("schedules.png"));
+    browser.click("form[action='/schedules/run'] button");
+    browser.wait_for("enqueued message");
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE topic = 'reports.nightly'"),
+        1
+    );
+
+    // The limits page.
+    browser.goto(&format!("{base}/limits"));
+    browser.wait_for("emails");
+    browser.screenshot(&shots.join("limits.png"));
+
+    // Enqueue a message from the form: first with a payload that is not JSON, then right.
+    browser.goto(&format!("{base}/enqueue"));
+    browser.fill("input[name=topic]", "audit");
+    browser.fill("input[name=key]", "k-1");
+    browser.fill("textarea[name=payload]", r#"{"by": "browser""#);
+    browser.click("form.enqueue button[type=submit]");
+    browser.wait_for("payload: not valid JSON");
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE topic = 'audit'"),
+        0
+    );
+    browser.fill("textarea[name=payload]", r#"{"by": "browser"}"#);
+    browser.click("form.enqueue button[type=submit]");
+    browser.wait_for("enqueued message");
+    browser.screenshot(&shots.join("enqueue.png"));
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.messages
+             WHERE topic = 'audit' AND key = 'k-1' AND payload = '{\"by\": \"browser\"}'"
+        ),
+        1
+    );
+
+    // A page of another site posts to the console from this same browser (which sends the
+    // credentials with every request): refused, nothing paused.
+    let evil = forger(ui.port);
+    browser.goto(&format!("http://localhost:{evil}/"));
+    browser.wait_for("another site");
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.pauses"), 0);
 }
 
 #[test]
@@ -573,4 +686,219 @@ fn behind_a_path_prefix_every_link_carries_it() {
     }
     let (code, _, _) = ui.request("GET", "/messages", &[], "");
     assert_eq!(code, 404);
+}
+
+/// Polls `f` until it returns `Some`, or fails after 30 s.
+fn poll<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The relay's side of the overview (rates, sinks), schedules run now, limits, the enqueue form
+/// validated as the API validates, a message's place in its key, a topic cancelled only when
+/// its name is typed again, dead letters picked one by one.
+#[test]
+fn schedules_limits_enqueue_cancel_and_picked_dead_letters() {
+    let db = unpaused();
+    let ui = Console::start(
+        &db,
+        &format!(
+            "actions = true\ntoken = \"{TOKEN}\"\n[[routes]]\ntopics = [\"emails\"]\nsink = \"log\"\n\
+             [[schedules]]\nname = \"nightly\"\ncron = \"0 0 3 * * *\"\ntopic = \"reports.nightly\"\n\
+             [[limits]]\ntopics = [\"emails\"]\nmax_running = 7"
+        ),
+    );
+    let bearer = format!("Bearer {TOKEN}");
+    let auth = [("Authorization", bearer.as_str())];
+
+    // Overview: the routed topic drains to the log sink, and its rate and sink show; the
+    // others have no sink in this relay.
+    let emails = poll("emails delivered and counted", || {
+        let (_, v) = ui.json("/");
+        let t = v["topics"]
+            .as_array()?
+            .iter()
+            .find(|t| t["topic"] == "emails")?
+            .clone();
+        (t["per_minute"]["delivered"].as_u64()? == 1000).then_some(t)
+    });
+    assert_eq!(emails["sink"], json!({"name": "log", "up": true}));
+    assert_eq!(emails["last_hour"].as_array().unwrap().len(), 1);
+    let (_, v) = ui.json("/");
+    let orders = v["topics"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["topic"] == "orders")
+        .unwrap();
+    assert_eq!(orders["sink"], Value::Null);
+    assert_eq!(orders["available"], 1001);
+    let (_, _, html) = ui.request("GET", "/", &[], "");
+    assert!(html.contains("<svg class=\"chart\""), "{html}");
+    assert!(html.contains("log <span class=\"up\">up</span>"), "{html}");
+
+    // Schedules: the relay registered its schedule; run it now, twice: two messages, each with a
+    // dedup key of its own, and the ticks untouched.
+    let (_, v) = poll("the schedule registered", || {
+        let (c, v) = ui.json("/schedules");
+        (v["schedules"].as_array()?.len() == 1).then_some((c, v))
+    });
+    assert_eq!(v["schedules"][0]["name"], "nightly");
+    assert_eq!(v["schedules"][0]["this_relay"], true);
+    assert_eq!(v["schedules"][0]["last_tick"], Value::Null);
+    for _ in 0..2 {
+        let (code, body) = ui.post("/schedules/run", &auth, "name=nightly");
+        assert_eq!(code, 200, "{body}");
+    }
+    assert_eq!(
+        db.scalar(
+            "SELECT count(DISTINCT dedup_key) AS v FROM postbox.messages
+             WHERE topic = 'reports.nightly' AND dedup_key LIKE 'schedule:nightly:run-now:%'
+               AND headers->>'cron-schedule' = 'nightly'"
+        ),
+        2
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.schedules WHERE last_tick IS NOT NULL"),
+        0
+    );
+    let (code, body) = ui.post("/schedules/run", &auth, "name=weekly");
+    assert_eq!(code, 404, "{body}");
+    let (code, _) = ui.post("/schedules/run", &[], "name=nightly");
+    assert_eq!(code, 401);
+
+    // Limits: what runs now against each.
+    let (code, v) = ui.json("/limits");
+    assert_eq!(code, 200);
+    assert_eq!(v["limits"][0]["max_running"], 7);
+    assert_eq!(v["limits"][0]["topics"], json!(["emails"]));
+    assert!(v["limits"][0]["running"].as_i64().unwrap() <= 7);
+
+    // Enqueue: every mistake is a 400 naming the field, nothing enqueued.
+    let before = db.scalar("SELECT count(*) AS v FROM postbox.messages");
+    for (form, field) in [
+        ("topic=&payload=%7B%7D", "topic"),
+        ("topic=t&payload=%7Bnope", "payload"),
+        ("topic=t&headers=%7B%22a%22%3A1%7D", "headers"),
+        ("topic=t&delay=soon", "delay"),
+        ("topic=t&payload=%22%5Cu0000%22", "payload"),
+    ] {
+        let (code, body) = ui.post("/enqueue", &auth, form);
+        assert_eq!(code, 400, "{form}: {body}");
+        assert!(body.contains(field), "{form}: {body}");
+    }
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages"),
+        before
+    );
+    let (code, body) = ui.post(
+        "/enqueue",
+        &auth,
+        "topic=audit&key=k-9&ordered=on&headers=%7B%22type%22%3A%22x%22%7D&payload=%7B%22n%22%3A1%7D&delay=1h",
+    );
+    assert_eq!(code, 200, "{body}");
+    let id = serde_json::from_str::<Value>(&body).unwrap()["enqueued"]
+        .as_i64()
+        .unwrap();
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) AS v FROM postbox.messages WHERE id = {id} AND topic = 'audit' AND key = 'k-9'
+             AND ordered AND headers = '{{\"type\": \"x\"}}' AND payload = '{{\"n\": 1}}'
+             AND state = 'scheduled' AND run_at > now() + interval '50 minutes'"
+        )),
+        1
+    );
+
+    // A message's place in its key: the head, then two waiting behind it.
+    let ids: Vec<i64> = (0..3)
+        .map(|n| {
+            let (code, body) = ui.post(
+                "/enqueue",
+                &auth,
+                &format!("topic=ledger&key=acct-1&ordered=on&payload={n}"),
+            );
+            assert_eq!(code, 200, "{body}");
+            serde_json::from_str::<Value>(&body).unwrap()["enqueued"]
+                .as_i64()
+                .unwrap()
+        })
+        .collect();
+    let (_, v) = ui.json(&format!("/messages/{}", ids[2]));
+    assert_eq!(
+        v["key_position"],
+        json!({"head": ids[0], "ahead": 2, "capped": false})
+    );
+    let (_, v) = ui.json(&format!("/messages/{}", ids[0]));
+    assert_eq!(v["key_position"]["head"], ids[0]);
+    assert_eq!(v["key_position"]["ahead"], 0);
+    let (_, _, html) = ui.request("GET", &format!("/messages/{}", ids[1]), &[], "");
+    assert!(html.contains("Waiting behind 1 of its key"), "{html}");
+
+    // Cancel all of a topic: the page says how many; the name must be typed again.
+    let (code, v) = ui.json("/topics/cancel?topic=reports");
+    assert_eq!(code, 200);
+    assert_eq!(v["live"], 1000);
+    let (code, body) = ui.post("/topics/cancel", &auth, "topic=reports&confirm=report");
+    assert_eq!(code, 400, "{body}");
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE topic = 'reports'"),
+        1000
+    );
+    let (code, body) = ui.post("/topics/cancel", &auth, "topic=reports&confirm=reports");
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE topic = 'reports'"),
+        0
+    );
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.dead_letters WHERE topic = 'reports' AND reason = 'cancelled'"
+        ),
+        1000
+    );
+
+    // Dead letters picked one by one: replay two, purge one; bad picks refused.
+    let (code, body) = ui.post("/dead/pick", &auth, "action=replay&id=100001&id=100002");
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE id IN (100001, 100002)"),
+        2
+    );
+    let (code, body) = ui.post("/dead/pick", &auth, "action=purge&id=100003&id=100003");
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"purged\":1"), "{body}");
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.dead_letters WHERE id BETWEEN 100001 AND 100009"
+        ),
+        6
+    );
+    for form in [
+        "action=replay",
+        "action=burn&id=100004",
+        "action=purge&id=x",
+    ] {
+        let (code, body) = ui.post("/dead/pick", &auth, form);
+        assert_eq!(code, 400, "{form}: {body}");
+    }
+    let (code, _) = ui.post("/dead/pick", &[], "action=purge&id=100004");
+    assert_eq!(code, 401);
+    // A dead letter's page offers both, for that one message.
+    let (_, _, html) = ui.request("GET", "/messages/100004", &[], "");
+    assert!(
+        html.contains("action=\"/dead/pick\"") && html.contains("value=\"100004\""),
+        "{html}"
+    );
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.dead_letters WHERE id BETWEEN 100001 AND 100009"
+        ),
+        6
+    );
 }

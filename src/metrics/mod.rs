@@ -15,8 +15,11 @@ use prometheus::{
 use crate::engine::{Observer, Settlement};
 use crate::store::{SampleRow, Topics};
 
+mod console;
 mod stream;
 mod topics;
+
+pub use console::Outcomes;
 
 pub use stream::WAL_STATUSES;
 use topics::TopicLabels;

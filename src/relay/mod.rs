@@ -20,6 +20,7 @@ pub use dead::selector;
 pub use demo::{DemoSummary, demo};
 pub use enqueue::enqueue;
 pub use serve::serve_metrics;
+pub use ui::{RelayView, serve_ui};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -308,7 +309,13 @@ pub async fn run(
     };
     let console = match &settings.ui {
         Some(ui) if !drain => {
-            Some(ui::serve_ui(ui.clone(), store.clone(), shutdown.clone()).await?)
+            let view = RelayView {
+                metrics: Some(metrics.clone()),
+                schedules: settings.cron_schedules(),
+                limits: settings.running_limits(),
+                stream_slot: settings.stream.as_ref().map(|s| s.slot.clone()),
+            };
+            Some(ui::serve_ui(ui.clone(), store.clone(), view, shutdown.clone()).await?)
         }
         _ => None,
     };

@@ -35,6 +35,8 @@ mod listen;
 #[cfg(feature = "async")]
 mod pause;
 #[cfg(feature = "async")]
+pub mod position;
+#[cfg(feature = "async")]
 mod retention;
 #[cfg(feature = "async")]
 mod schedule;

@@ -9,7 +9,7 @@ use super::Store;
 use crate::error::{Error, Result};
 
 /// A stream slot as the server sees it.
-#[derive(Debug, Clone, PartialEq, QueryableByName)]
+#[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize)]
 pub struct StreamSlot {
     /// The slot's name.
     #[diesel(sql_type = Text)]

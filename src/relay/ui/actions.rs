@@ -54,7 +54,11 @@ pub(super) fn selection(ids: &[i64]) -> String {
 
 /// Whether the request may act: actions on, the token, the same site. Returns who acts, for the
 /// audit log.
-fn may_act(ui: &Ui, headers: &HeaderMap, csrf: &str) -> std::result::Result<String, Refusal> {
+pub(super) fn may_act(
+    ui: &Ui,
+    headers: &HeaderMap,
+    csrf: &str,
+) -> std::result::Result<String, Refusal> {
     if !ui.settings.actions {
         return Err((
             StatusCode::FORBIDDEN,
@@ -137,25 +141,10 @@ async fn dead_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, replay: bool) 
             ),
         );
     }
-    let (mut done, mut skipped) = (0usize, 0usize);
-    for chunk in ids.chunks(1000) {
-        let selector = DeadSelector::Ids(chunk.to_vec());
-        let r = if replay {
-            ui.store
-                .dead_replay(&selector)
-                .await
-                .map(|r| (r.replayed.len(), r.skipped.len()))
-        } else {
-            ui.store.dead_purge(&selector).await.map(|n| (n, 0))
-        };
-        match r {
-            Ok((d, s)) => {
-                done += d;
-                skipped += s;
-            }
-            Err(e) => return database_error(&ui, &headers, e),
-        }
-    }
+    let (done, skipped) = match act_on(&ui, &ids, replay).await {
+        Ok(x) => x,
+        Err(e) => return database_error(&ui, &headers, e),
+    };
     let verb = if replay { "replayed" } else { "purged" };
     tracing::info!(target: "postbox::ui::audit", who = %who, action = verb, filter = ?f.filter.query(), done, skipped, "console action");
     let message = format!(
@@ -178,6 +167,127 @@ async fn dead_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, replay: bool) 
             esc(&ui.settings.path_prefix)
         ),
         json!({ verb: done, "skipped": skipped }),
+    )
+}
+
+/// Replays or purges `ids` (those that are dead letters), a thousand at a time: how many were
+/// done, and how many a replay skipped.
+async fn act_on(ui: &Ui, ids: &[i64], replay: bool) -> crate::Result<(usize, usize)> {
+    let (mut done, mut skipped) = (0usize, 0usize);
+    for chunk in ids.chunks(1000) {
+        let selector = DeadSelector::Ids(chunk.to_vec());
+        if replay {
+            let r = ui.store.dead_replay(&selector).await?;
+            done += r.replayed.len();
+            skipped += r.skipped.len();
+        } else {
+            done += ui.store.dead_purge(&selector).await?;
+        }
+    }
+    Ok((done, skipped))
+}
+
+/// Dead letters picked one by one (a message's page, the checkboxes of the list) a form acts on
+/// at most.
+pub const PICK_MAX: usize = 1000;
+
+/// `POST /dead/pick`: replay (`action=replay`) or purge (`action=purge`) the dead letters whose
+/// ids the form names (`id=…`, repeated): one from a message's page, or those ticked in the list.
+pub(super) async fn dead_pick(
+    State(ui): Shared,
+    headers: HeaderMap,
+    Form(pairs): Form<Vec<(String, String)>>,
+) -> Response {
+    let csrf = Csrf::of(&headers);
+    let field = |name: &str| {
+        pairs
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+            .unwrap_or_default()
+    };
+    let who = match may_act(&ui, &headers, field("csrf")) {
+        Ok(w) => w,
+        Err(r) => return refuse(&ui, &headers, r),
+    };
+    let replay = match field("action") {
+        "replay" => true,
+        "purge" => false,
+        other => {
+            return refuse(
+                &ui,
+                &headers,
+                (
+                    StatusCode::BAD_REQUEST,
+                    format!("action: {other:?} is neither replay nor purge"),
+                ),
+            );
+        }
+    };
+    let mut ids = Vec::new();
+    for (_, v) in pairs.iter().filter(|(k, _)| k == "id") {
+        match v.trim().parse::<i64>() {
+            Ok(id) if id > 0 => ids.push(id),
+            _ => {
+                return refuse(
+                    &ui,
+                    &headers,
+                    (
+                        StatusCode::BAD_REQUEST,
+                        format!("id: {v:?} is not a message id"),
+                    ),
+                );
+            }
+        }
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    if ids.is_empty() || ids.len() > PICK_MAX {
+        return refuse(
+            &ui,
+            &headers,
+            (
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "id: pick from 1 to {PICK_MAX} dead letters (picked {})",
+                    ids.len()
+                ),
+            ),
+        );
+    }
+    let (done, skipped) = match act_on(&ui, &ids, replay).await {
+        Ok(x) => x,
+        Err(e) => return database_error(&ui, &headers, e),
+    };
+    let verb = if replay { "replayed" } else { "purged" };
+    tracing::info!(target: "postbox::ui::audit", who = %who, action = verb, ids = ?ids, done, skipped, "console action");
+    let gone = ids.len().saturating_sub(done + skipped);
+    let message = format!(
+        "{verb} {done} of {} picked dead letters{}{}",
+        ids.len(),
+        if skipped > 0 {
+            format!(" ({skipped} skipped: still dead)")
+        } else {
+            String::new()
+        },
+        if gone > 0 {
+            format!(" ({gone} were no longer dead letters)")
+        } else {
+            String::new()
+        }
+    );
+    answer(
+        &ui,
+        &headers,
+        &csrf,
+        StatusCode::OK,
+        "Done",
+        format!(
+            "<p class=\"notice\" role=\"status\">{}</p><p><a href=\"{}/dead\">Dead letters</a></p>",
+            esc(&message),
+            esc(&ui.settings.path_prefix)
+        ),
+        json!({ verb: done, "skipped": skipped, "picked": ids.len() }),
     )
 }
 

@@ -46,7 +46,10 @@ input,select,button{font:inherit;padding:.2em .4em}button{cursor:pointer}
 .error{background:#fde8e8;border:1px solid #e0a0a0;padding:.5em;margin:.5em 0}
 .notice{background:#e8f4e8;border:1px solid #a0d0a0;padding:.5em;margin:.5em 0}
 pre{background:#f6f7f9;padding:.5em;overflow:auto;max-height:30em}.paused{color:#b15c00;font-weight:bold}
-.actions{display:flex;gap:1em;margin:.5em 0}.muted{color:#667}";
+.actions{display:flex;gap:1em;margin:.5em 0}.muted{color:#667}
+.up{color:#1a7f37}.down{color:#c62828;font-weight:bold}td.full{color:#b15c00;font-weight:bold}
+svg.chart rect.d{fill:#4a78c2}svg.chart rect.r{fill:#d9a300}svg.chart rect.x{fill:#c62828}
+svg.chart{background:#f6f7f9}td.act{white-space:nowrap}td.act form{display:inline}textarea{font:12px monospace}";
 
 /// A whole page: the header's navigation, then `body`.
 pub fn page(prefix: &str, title: &str, notice: Option<&str>, body: &str) -> String {
@@ -59,7 +62,8 @@ pub fn page(prefix: &str, title: &str, notice: Option<&str>, body: &str) -> Stri
          <title>{t} · postbox</title><style>{STYLE}</style></head><body>\
          <header><strong>postbox</strong><nav aria-label=\"pages\">\
          <a href=\"{h}\">Overview</a> · <a href=\"{p}/messages\">Messages</a> · \
-         <a href=\"{p}/dead\">Dead letters</a></nav></header>\
+         <a href=\"{p}/dead\">Dead letters</a> · <a href=\"{p}/schedules\">Schedules</a> · \
+         <a href=\"{p}/limits\">Limits</a> · <a href=\"{p}/enqueue\">Enqueue</a></nav></header>\
          <main><h1>{t}</h1>{notice}{body}</main></body></html>",
         t = esc(title),
         p = esc(prefix),
@@ -73,6 +77,25 @@ pub fn home(prefix: &str) -> String {
         "/".to_owned()
     } else {
         prefix.to_owned()
+    }
+}
+
+/// An ordered message's place in its key, in words.
+pub fn position(id: i64, p: &crate::store::position::KeyPosition) -> String {
+    match p.head {
+        Some(head) if head == id => {
+            "The head of its key: the next of the key to be delivered.".into()
+        }
+        Some(head) => format!(
+            "Waiting behind {}{} of its key; the head is <a href=\"{head}\">{head}</a>.",
+            if p.capped { "more than " } else { "" },
+            p.ahead
+        ),
+        None => format!(
+            "Waiting behind {}{} of its key; the key has no head right now (being promoted).",
+            if p.capped { "more than " } else { "" },
+            p.ahead
+        ),
     }
 }
 
@@ -190,9 +213,22 @@ impl FilterText {
 }
 
 /// The table of a list page, and the link to the next page.
-pub fn rows(prefix: &str, path: &str, page: &Browsed<MessageRow>, f: &FilterText) -> String {
-    let mut out = String::from(
-        "<table><thead><tr><th>id</th><th>topic</th><th>key</th><th>state</th>\
+///
+/// With `pick`, each row has a checkbox of the form `pick` (a hand-picked selection).
+pub fn rows(
+    prefix: &str,
+    path: &str,
+    page: &Browsed<MessageRow>,
+    f: &FilterText,
+    pick: bool,
+) -> String {
+    let mut out = String::from(if pick {
+        "<table><thead><tr><th><span class=\"muted\">pick</span></th>"
+    } else {
+        "<table><thead><tr>"
+    });
+    out.push_str(
+        "<th>id</th><th>topic</th><th>key</th><th>state</th>\
          <th>attempts</th><th>created</th><th>at</th><th>error</th><th>payload</th></tr></thead><tbody>",
     );
     for m in &page.rows {
@@ -201,9 +237,17 @@ pub fn rows(prefix: &str, path: &str, page: &Browsed<MessageRow>, f: &FilterText
             .as_ref()
             .map(|p| esc(&truncate(&p.to_string(), 120)))
             .unwrap_or_else(|| "<span class=\"muted\">hidden</span>".into());
+        out += "<tr>";
+        if pick {
+            let _ = write!(
+                out,
+                "<td><input type=\"checkbox\" name=\"id\" value=\"{id}\" form=\"pick\" aria-label=\"pick {id}\"></td>",
+                id = m.id
+            );
+        }
         let _ = write!(
             out,
-            "<tr><td class=\"n\"><a href=\"{p}/messages/{id}\">{id}</a></td><td>{topic}</td><td>{key}{ord}</td>\
+            "<td class=\"n\"><a href=\"{p}/messages/{id}\">{id}</a></td><td>{topic}</td><td>{key}{ord}</td>\
              <td>{state}</td><td class=\"n\">{a}/{ma}</td><td>{created}</td><td>{at}</td><td>{err}</td><td><code>{payload}</code></td></tr>",
             p = esc(prefix),
             id = m.id,

@@ -1,11 +1,16 @@
-//! The operator console (`[ui]`): the queue's overview, messages and dead letters with filters,
-//! a message's page, and — with `[ui] actions = true` and the token — pause, resume, replay and
-//! purge. Every page answers JSON too (`Accept: application/json`), for scripts.
+//! The operator console (`[ui]`): the queue's overview (with this relay's rates, sinks and stream
+//! slot), messages and dead letters with filters, a message's page, schedules and limits, and —
+//! with `[ui] actions = true` and the token — pause, resume, cancel a topic, replay and purge
+//! (one, a hand-picked selection, or everything a filter matches), run a schedule now, enqueue.
+//! Every page answers JSON too (`Accept: application/json`), for scripts.
 
 mod actions;
+mod forms;
 mod guard;
 mod html;
 mod pages;
+mod rates;
+mod relay_pages;
 
 use std::sync::Arc;
 
@@ -30,6 +35,22 @@ pub(super) const PAGE_DEFAULT: usize = 50;
 pub(super) struct Ui {
     store: Store,
     settings: UiSettings,
+    relay: RelayView,
+    rates: Arc<rates::Rates>,
+}
+
+/// What the console shows of the relay that serves it, beyond the database: its metrics (rates,
+/// sinks), its schedules (to run one now), its limits, its stream slot.
+#[derive(Default)]
+pub struct RelayView {
+    /// This relay's metrics (`None`: no rates, no sinks shown).
+    pub metrics: Option<Arc<crate::metrics::Metrics>>,
+    /// The schedules this relay runs.
+    pub schedules: Vec<crate::CronSchedule>,
+    /// The running limits this relay applies.
+    pub limits: Vec<crate::store::Limit>,
+    /// The stream mode slot, when stream mode is on.
+    pub stream_slot: Option<String>,
 }
 
 pub(super) type Shared = State<Arc<Ui>>;
@@ -38,6 +59,7 @@ pub(super) type Shared = State<Arc<Ui>>;
 pub async fn serve_ui(
     settings: UiSettings,
     store: Store,
+    relay: RelayView,
     stop: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>> {
     let addr = settings.listen;
@@ -45,7 +67,16 @@ pub async fn serve_ui(
         .await
         .map_err(|e| RelayError::Usage(format!("ui.listen: cannot listen on {addr}: {e}")))?;
     let prefix = settings.path_prefix.clone();
-    let state = Arc::new(Ui { store, settings });
+    let rates = Arc::new(rates::Rates::default());
+    if let Some(m) = &relay.metrics {
+        rates::spawn(rates.clone(), m.clone(), stop.clone());
+    }
+    let state = Arc::new(Ui {
+        store,
+        settings,
+        relay,
+        rates,
+    });
     let pages = axum::Router::new()
         .route("/", get(pages::overview))
         .route("/messages", get(pages::messages))
@@ -55,6 +86,15 @@ pub async fn serve_ui(
         .route("/dead/purge", post(actions::dead_purge))
         .route("/topics/pause", post(actions::pause))
         .route("/topics/resume", post(actions::resume))
+        .route(
+            "/topics/cancel",
+            get(forms::cancel_form).post(forms::cancel),
+        )
+        .route("/dead/pick", post(actions::dead_pick))
+        .route("/schedules", get(relay_pages::schedules))
+        .route("/schedules/run", post(forms::run_schedule))
+        .route("/limits", get(relay_pages::limits))
+        .route("/enqueue", get(forms::enqueue_form).post(forms::enqueue))
         .fallback(|| async { (StatusCode::NOT_FOUND, "no such page\n") })
         .with_state(state);
     let app = if prefix.is_empty() {

@@ -11,15 +11,28 @@ use crate::store::browse::{Filter, PAGE_MAX};
 
 pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response {
     let csrf = Csrf::of(&headers);
-    let (stats, paused, violations, stalled) = match tokio::try_join!(
+    let slot = async {
+        match &ui.relay.stream_slot {
+            Some(name) => ui.store.stream_status(Some(name)).await,
+            None => Ok(Vec::new()),
+        }
+    };
+    let (stats, paused, violations, stalled, slots) = match tokio::try_join!(
         ui.store.stats(),
         ui.store.paused(),
         ui.store.check(100),
-        ui.store.stalled_keys(20)
+        ui.store.stalled_keys(20),
+        slot
     ) {
         Ok(x) => x,
         Err(e) => return database_error(&ui, &headers, e),
     };
+    let rates = ui
+        .relay
+        .metrics
+        .as_ref()
+        .map(|m| ui.rates.topics(m))
+        .unwrap_or_default();
     let p = esc(&ui.settings.path_prefix);
     let mut body = String::new();
     body += &format!(
@@ -44,12 +57,28 @@ pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response 
             v.detail
         ));
     }
+    body += &stream_slots(&slots);
     body += "<table><thead><tr><th>topic</th><th>available</th><th>scheduled</th><th>running</th>\
-             <th>waiting</th><th>dead</th><th>oldest available</th><th></th></tr></thead><tbody>";
+             <th>waiting</th><th>dead</th><th>oldest available</th>\
+             <th title=\"this relay, last minute\">delivered/min</th><th>retried/min</th><th>dead/min</th>\
+             <th>last hour</th><th>sink</th><th></th></tr></thead><tbody>";
     // The same rule the claims apply to the pauses.
     let paused_topics = crate::store::Topics::only(&paused);
-    for t in &stats.topics {
+    let mut rows_json = Vec::new();
+    // Topics this relay delivered that have nothing queued now are shown too, for their rates.
+    let mut topics = stats.topics.clone();
+    for name in rates.keys() {
+        if !topics.iter().any(|t| &t.topic == name) {
+            topics.push(crate::store::TopicStats {
+                topic: name.clone(),
+                ..Default::default()
+            });
+        }
+    }
+    for t in &topics {
         let is_paused = paused_topics.matches(&t.topic);
+        let sink = ui.relay.metrics.as_ref().and_then(|m| m.sink_of(&t.topic));
+        let r = rates.get(&t.topic).cloned().unwrap_or_default();
         let action = if !ui.settings.actions {
             String::new()
         } else {
@@ -60,14 +89,17 @@ pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response 
             };
             format!(
                 "<form method=\"post\" action=\"{p}/topics/{verb}\"><input type=\"hidden\" name=\"topic\" value=\"{t}\">\
-                 <input type=\"hidden\" name=\"csrf\" value=\"{c}\"><button>{label}</button></form>",
+                 <input type=\"hidden\" name=\"csrf\" value=\"{c}\"><button>{label}</button></form> \
+                 <a href=\"{p}/topics/cancel?topic={q}\">Cancel all…</a>",
                 t = esc(&t.topic),
                 c = esc(&csrf.value),
+                q = esc(&html::url_value(&t.topic)),
             )
         };
         body += &format!(
             "<tr><td><a href=\"{p}/messages?topic={q}\">{t}</a>{paused}</td><td class=\"n\">{}</td><td class=\"n\">{}</td>\
-             <td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\"><a href=\"{p}/dead?topic={q}\">{}</a></td><td class=\"n\">{}</td><td>{action}</td></tr>",
+             <td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\"><a href=\"{p}/dead?topic={q}\">{}</a></td><td class=\"n\">{}</td>\
+             <td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{chart}</td><td>{sink}</td><td class=\"act\">{action}</td></tr>",
             t.available,
             t.scheduled,
             t.running,
@@ -76,6 +108,15 @@ pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response 
             t.oldest_available_secs
                 .map(|s| format!("{s:.0} s"))
                 .unwrap_or_default(),
+            r.last_minute.delivered,
+            r.last_minute.retried,
+            r.last_minute.dead,
+            chart = super::rates::chart(&r),
+            sink = match &sink {
+                Some((name, true)) => format!("{} <span class=\"up\">up</span>", esc(name)),
+                Some((name, false)) => format!("{} <span class=\"down\">down</span>", esc(name)),
+                None => "<span class=\"muted\">none</span>".into(),
+            },
             q = esc(&html::url_value(&t.topic)),
             t = esc(&t.topic),
             paused = if is_paused {
@@ -84,6 +125,17 @@ pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response 
                 ""
             },
         );
+        let mut row = serde_json::to_value(t).unwrap_or_default();
+        if let Some(o) = row.as_object_mut() {
+            o.insert("paused".into(), json!(is_paused));
+            o.insert("per_minute".into(), json!(r.last_minute));
+            o.insert("last_hour".into(), json!(r.hour));
+            o.insert(
+                "sink".into(),
+                json!(sink.as_ref().map(|(n, up)| json!({"name": n, "up": up}))),
+            );
+        }
+        rows_json.push(row);
     }
     body += "</tbody></table>";
     if !stalled.is_empty() {
@@ -101,9 +153,9 @@ pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response 
         }
         body += "</tbody></table>";
     }
-    let value = json!({ "topics": stats.topics, "estimated": stats.estimated, "paused": paused,
+    let value = json!({ "topics": rows_json, "estimated": stats.estimated, "paused": paused,
         "violations": violations.iter().map(|v| json!({"kind": v.kind, "topic": v.topic, "key": v.key, "detail": v.detail})).collect::<Vec<_>>(),
-        "stalled_keys": stalled });
+        "stalled_keys": stalled, "stream_slots": slots });
     answer(
         &ui,
         &headers,
@@ -113,6 +165,31 @@ pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response 
         body,
         value,
     )
+}
+
+/// The stream slot's line of the overview: active or not, its lag, its WAL status.
+fn stream_slots(slots: &[crate::store::StreamSlot]) -> String {
+    let mut out = String::new();
+    for s in slots {
+        let state = if !s.exists {
+            "<span class=\"down\">missing</span>".to_owned()
+        } else if s.is_lost() {
+            "<span class=\"down\">lost</span>".to_owned()
+        } else if s.active {
+            "<span class=\"up\">streaming</span>".to_owned()
+        } else {
+            "<span class=\"paused\">inactive</span>".to_owned()
+        };
+        out += &format!(
+            "<p class=\"slot\">Stream slot <strong>{}</strong>: {state}; lag {}; WAL status {}.</p>",
+            esc(&s.slot_name),
+            s.lag_bytes
+                .map(|b| format!("{b} bytes"))
+                .unwrap_or_else(|| "unknown".into()),
+            esc(s.wal_status.as_deref().unwrap_or("-")),
+        );
+    }
+    out
 }
 
 /// The query of a list page: the filter, the cursor and the page size.
@@ -171,7 +248,7 @@ pub(super) async fn messages(
     };
     let p = &ui.settings.path_prefix;
     let body = html::filter_form(&format!("{p}/messages"), &q.filter, true)
-        + &html::rows(p, "/messages", &page, &q.filter);
+        + &html::rows(p, "/messages", &page, &q.filter, false);
     answer(
         &ui,
         &headers,
@@ -239,6 +316,31 @@ pub(super) async fn message(
         }
     }
     body += "</tbody></table>";
+    match &shown {
+        crate::store::Shown::Queued { .. } => {
+            let position = match ui.store.key_position(id).await {
+                Ok(p) => p,
+                Err(e) => return database_error(&ui, &headers, e),
+            };
+            if let Some(pos) = position {
+                body += &format!("<p class=\"position\">{}</p>", html::position(id, &pos));
+                if let Some(o) = value.as_object_mut() {
+                    o.insert("key_position".into(), json!(pos));
+                }
+            }
+        }
+        crate::store::Shown::Dead { .. } if ui.settings.actions => {
+            body += &format!(
+                "<form class=\"actions\" method=\"post\" action=\"{}/dead/pick\">\
+                 <input type=\"hidden\" name=\"id\" value=\"{id}\"><input type=\"hidden\" name=\"csrf\" value=\"{}\">\
+                 <button name=\"action\" value=\"replay\">Replay this message</button>\
+                 <button name=\"action\" value=\"purge\">Purge this message</button></form>",
+                esc(&ui.settings.path_prefix),
+                esc(&csrf.value)
+            );
+        }
+        _ => {}
+    }
     answer(
         &ui,
         &headers,
@@ -303,7 +405,18 @@ pub(super) async fn dead(
             );
         }
     }
-    body += &html::rows(p, "/dead", &page, &q.filter);
+    let pick = ui.settings.actions && !page.rows.is_empty();
+    if pick {
+        body += &format!(
+            "<form id=\"pick\" class=\"actions\" method=\"post\" action=\"{}/dead/pick\">\
+             <input type=\"hidden\" name=\"csrf\" value=\"{}\">\
+             <button name=\"action\" value=\"replay\">Replay picked</button>\
+             <button name=\"action\" value=\"purge\">Purge picked</button></form>",
+            esc(p),
+            esc(&csrf.value)
+        );
+    }
+    body += &html::rows(p, "/dead", &page, &q.filter, pick);
     answer(
         &ui,
         &headers,
