@@ -252,11 +252,15 @@ fn the_console_filters_pages_and_answers_json_and_html() {
     );
     assert!(body.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
     let (_, _, dead) = ui.request("GET", "/dead", &[], "");
-    assert!(dead.contains("9 dead letters match"), "{dead}");
+    assert!(!dead.contains("all matching"), "read-only: no action links");
+    let (_, _, confirm) = ui.request("GET", "/dead/confirm?action=purge", &[], "");
+    assert!(confirm.contains("9 dead letters match"), "{confirm}");
     assert!(
-        !dead.contains("<form class=\"actions\""),
+        !confirm.contains("<form class=\"actions\""),
         "read-only: no action forms"
     );
+    let (code, _) = ui.json("/dead/confirm?action=burn");
+    assert_eq!(code, 400);
 }
 
 #[test]
@@ -344,7 +348,7 @@ fn actions_need_the_token_and_a_form_of_the_console() {
                 (200002, 'emails', false, '{\"customer\": \"c-1\"}', '{}', 0, 3, 3, now(), 'boom')",
     );
     let filter = format!("topic=orders&payload={}", enc(r#"{"customer": "c-1"}"#));
-    let (_, listed) = ui.json(&format!("/dead?{filter}"));
+    let (_, listed) = ui.json(&format!("/dead/confirm?{filter}&action=replay"));
     assert_eq!(listed["matching"], 3);
     let selection = listed["selection"].as_str().unwrap().to_owned();
     // A stale count, or no selection: refused, nothing changed.
@@ -375,7 +379,7 @@ fn actions_need_the_token_and_a_form_of_the_console() {
     );
 
     // The same count but not the same dead letters (one went, another came to match): refused.
-    let (_, listed) = ui.json("/dead?topic=orders");
+    let (_, listed) = ui.json("/dead/confirm?topic=orders&action=purge");
     assert_eq!(listed["matching"], 6);
     let selection = listed["selection"].as_str().unwrap().to_owned();
     db.exec(
@@ -386,7 +390,7 @@ fn actions_need_the_token_and_a_form_of_the_console() {
     let form = format!("topic=orders&expected=6&selection={selection}");
     let (code, _) = ui.post("/dead/purge", &[("Authorization", &bearer)], &form);
     assert_eq!(code, 409);
-    let (_, listed) = ui.json("/dead?topic=orders");
+    let (_, listed) = ui.json("/dead/confirm?topic=orders&action=purge");
     let form = format!(
         "topic=orders&expected=6&selection={}",
         listed["selection"].as_str().unwrap()
@@ -598,8 +602,10 @@ fn a_person_uses_the_console_in_a_browser() {
     browser.goto(&format!("{base}/dead"));
     browser.fill("input[name=payload]", r#"{"customer": "c-2"}"#);
     browser.click("form.filter button[type=submit]");
-    browser.wait_for("3 dead letters match");
+    browser.wait_url("payload=");
     browser.screenshot(&shots.join("dead.png"));
+    browser.click("a[href*='action=replay']");
+    browser.wait_for("3 dead letters match");
     browser.click("form[action='/dead/replay'] button");
     browser.wait_for("replayed 3 dead letters");
     assert_eq!(

@@ -82,6 +82,7 @@ pub async fn serve_ui(
         .route("/messages", get(pages::messages))
         .route("/messages/{id}", get(pages::message))
         .route("/dead", get(pages::dead))
+        .route("/dead/confirm", get(pages::dead_confirm))
         .route("/dead/replay", post(actions::dead_replay))
         .route("/dead/purge", post(actions::dead_purge))
         .route("/topics/pause", post(actions::pause))

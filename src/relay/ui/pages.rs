@@ -375,35 +375,30 @@ pub(super) async fn dead(
     if let Some(r) = hidden_payload_filter(&ui, &filter) {
         return refuse(&ui, &headers, r);
     }
-    let (page, ids) = match tokio::try_join!(
-        ui.store
-            .browse_dead(&filter, before, limit, ui.settings.show_payloads),
-        ui.store.dead_ids(&filter, None, ACT_MAX + 1)
-    ) {
-        Ok(x) => x,
+    let page = match ui
+        .store
+        .browse_dead(&filter, before, limit, ui.settings.show_payloads)
+        .await
+    {
+        Ok(p) => p,
         Err(e) => return database_error(&ui, &headers, e),
     };
-    let matching = ids.len() as i64;
-    let selection = super::actions::selection(&ids);
     let p = &ui.settings.path_prefix;
-    let count = if matching > ACT_MAX {
-        format!("more than {ACT_MAX}")
-    } else {
-        matching.to_string()
-    };
     let mut body = html::filter_form(&format!("{p}/dead"), &q.filter, false);
-    body += &format!("<p>{count} dead letters match.</p>");
-    if ui.settings.actions && matching > 0 && matching <= ACT_MAX {
-        let token = esc(&csrf.value);
+    if ui.settings.actions && !page.rows.is_empty() {
+        // Counting everything a filter matches can read the whole table: it is the action's
+        // own step (the confirmation page), never the list's.
+        let query = q.filter.query();
+        let sep = if query.is_empty() { "" } else { "&" };
+        body += "<p class=\"actions\">";
         for (verb, label) in [("replay", "Replay"), ("purge", "Purge")] {
             body += &format!(
-                "<form class=\"actions\" method=\"post\" action=\"{}/dead/{verb}\">{}\
-                 <input type=\"hidden\" name=\"expected\" value=\"{matching}\"><input type=\"hidden\" name=\"selection\" value=\"{selection}\"><input type=\"hidden\" name=\"csrf\" value=\"{token}\">\
-                 <button>{label} all {matching} matching</button></form>",
+                "<a href=\"{}/dead/confirm?{}{sep}action={verb}\">{label} all matching…</a>",
                 esc(p),
-                q.filter.hidden()
+                esc(&query)
             );
         }
+        body += "</p>";
     }
     let pick = ui.settings.actions && !page.rows.is_empty();
     if pick {
@@ -424,7 +419,104 @@ pub(super) async fn dead(
         StatusCode::OK,
         "Dead letters",
         body,
-        json!({ "matching": matching, "selection": selection, "page": page }),
+        json!(page),
+    )
+}
+
+/// The query of the confirmation of a dead-letter action: the filter and the action.
+#[derive(Debug, Default, serde::Deserialize)]
+pub(super) struct ConfirmQuery {
+    #[serde(flatten)]
+    filter: FilterText,
+    #[serde(default)]
+    action: String,
+}
+
+/// `GET /dead/confirm?…&action=replay|purge`: counts the dead letters the filter matches (up to
+/// [`ACT_MAX`]), and the form that acts on exactly those (their count and a digest of their ids).
+pub(super) async fn dead_confirm(
+    State(ui): Shared,
+    headers: HeaderMap,
+    Query(q): Query<ConfirmQuery>,
+) -> Response {
+    let csrf = Csrf::of(&headers);
+    let (verb, label) = match q.action.as_str() {
+        "replay" => ("replay", "Replay"),
+        "purge" => ("purge", "Purge"),
+        other => {
+            return refuse(
+                &ui,
+                &headers,
+                (
+                    StatusCode::BAD_REQUEST,
+                    format!("action: {other:?} is neither replay nor purge"),
+                ),
+            );
+        }
+    };
+    let filter = match parse_filter(&q.filter) {
+        Ok(f) => f,
+        Err(e) => return refuse(&ui, &headers, (StatusCode::BAD_REQUEST, e)),
+    };
+    if filter.state.is_some() {
+        return refuse(
+            &ui,
+            &headers,
+            (
+                StatusCode::BAD_REQUEST,
+                "state: dead letters have no state to filter on".into(),
+            ),
+        );
+    }
+    if let Some(r) = hidden_payload_filter(&ui, &filter) {
+        return refuse(&ui, &headers, r);
+    }
+    let ids = match ui.store.dead_ids(&filter, None, ACT_MAX + 1).await {
+        Ok(ids) => ids,
+        Err(e) => return database_error(&ui, &headers, e),
+    };
+    let matching = ids.len() as i64;
+    let selection = super::actions::selection(&ids);
+    let p = &ui.settings.path_prefix;
+    let shown = q.filter.query();
+    let mut body = format!(
+        "<p>Filter: <code>{}</code></p>",
+        esc(if shown.is_empty() {
+            "(none: every dead letter)"
+        } else {
+            &shown
+        })
+    );
+    if matching > ACT_MAX {
+        body += &html::error(&format!(
+            "More than {ACT_MAX} dead letters match: narrow the filter (by topic, id range or age)."
+        ));
+    } else {
+        body += &format!("<p>{matching} dead letters match.</p>");
+    }
+    if ui.settings.actions && matching > 0 && matching <= ACT_MAX {
+        body += &format!(
+            "<form class=\"actions\" method=\"post\" action=\"{}/dead/{verb}\">{}\
+             <input type=\"hidden\" name=\"expected\" value=\"{matching}\"><input type=\"hidden\" name=\"selection\" value=\"{selection}\"><input type=\"hidden\" name=\"csrf\" value=\"{}\">\
+             <button>{label} all {matching} matching</button></form>",
+            esc(p),
+            q.filter.hidden(),
+            esc(&csrf.value)
+        );
+    }
+    body += &format!(
+        "<p><a href=\"{}/dead?{}\">Back to the dead letters</a></p>",
+        esc(p),
+        esc(&shown)
+    );
+    answer(
+        &ui,
+        &headers,
+        &csrf,
+        StatusCode::OK,
+        &format!("{label} dead letters"),
+        body,
+        json!({ "action": verb, "matching": matching, "selection": selection }),
     )
 }
 
