@@ -447,6 +447,21 @@ fn bad_console_settings_name_their_field() {
             None,
             "ui.path_prefix",
         ),
+        (
+            "[ui]\nenabled = true\nallowed_hosts = [\"http://console.internal\"]\n",
+            None,
+            "ui.allowed_hosts",
+        ),
+        (
+            "[ui]\nenabled = true\nallowed_hosts = [\"console.internal:9465\"]\n",
+            None,
+            "ui.allowed_hosts",
+        ),
+        (
+            "[ui]\nenabled = true\nallowed_hosts = []\n",
+            None,
+            "ui.allowed_hosts",
+        ),
     ] {
         let config =
             std::env::temp_dir().join(format!("postbox-ui-bad-{}.toml", fastrand::u64(..)));
@@ -678,6 +693,44 @@ fn a_person_uses_the_console_in_a_browser() {
     browser.goto(&format!("http://localhost:{evil}/"));
     browser.wait_for("another site");
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.pauses"), 0);
+}
+
+/// Against DNS rebinding: a console on a loopback address answers only loopback host names by
+/// default; `allowed_hosts` names others, `"*"` any.
+#[test]
+fn the_console_answers_only_its_own_host_names() {
+    let db = seeded();
+    let ui = Console::start(&db, "");
+    for (h, code) in [
+        ("localhost:1234", 200),
+        ("LOCALHOST", 200),
+        ("[::1]:9465", 200),
+        ("attacker.example:9465", 421),
+        ("127.0.0.1.attacker.example", 421),
+    ] {
+        assert_eq!(host_only(&ui, h), code, "{h}");
+    }
+    drop(ui);
+    let ui = Console::start(&db, "allowed_hosts = [\"Console.Internal\"]");
+    assert_eq!(host_only(&ui, "console.internal:443"), 200);
+    assert_eq!(host_only(&ui, "127.0.0.1"), 421);
+    drop(ui);
+    let ui = Console::start(&db, "allowed_hosts = [\"*\"]");
+    assert_eq!(host_only(&ui, "anything.example"), 200);
+}
+
+/// The status of `GET /` with only this `Host` header.
+fn host_only(ui: &Console, host: &str) -> u16 {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", ui.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        s,
+        "GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).unwrap();
+    buf.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
 #[test]

@@ -17,9 +17,13 @@
 //!    latency on backlogs of every shape, the drain rate of ordered against unordered messages,
 //!    and the cost of `status` and of the metrics sample at 10M rows; see `backlog.rs`.
 //!
+//! 6. `--only console`: the operator console's pages (overview, messages and dead letters with a
+//!    JSON filter) at `--status-rows` rows, p50 and p95; see `console.rs`.
+//!
 //! The last lines are machine-readable, one figure a line.
 
 mod backlog;
+mod console;
 mod stream;
 mod topics;
 
@@ -94,7 +98,7 @@ fn args() -> Args {
                     .expect("--status-rows N")
             }
             other => panic!(
-                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|ordered-drain|topics|stream] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|ordered-drain|topics|stream|console] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
             ),
         }
     }
@@ -933,6 +937,10 @@ async fn main() {
         let (status, sample) = backlog::status_at_scale(&a.url, &store, a.status_rows).await;
         println!("status_ms_10m={status:.1}");
         println!("sample_ms_10m={sample:.1}");
+        return;
+    }
+    if a.only.as_deref() == Some("console") {
+        console::run(&a.url, a.status_rows).await;
         return;
     }
     if a.only.as_deref() == Some("limits") {

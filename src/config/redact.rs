@@ -172,6 +172,11 @@ impl Settings {
                 actions: Some(u.actions),
                 token: u.token.as_ref().map(|_| "<redacted>".to_owned()),
                 show_payloads: Some(u.show_payloads),
+                allowed_hosts: Some(if u.allowed_hosts.is_empty() {
+                    vec!["*".to_owned()]
+                } else {
+                    u.allowed_hosts.clone()
+                }),
             }),
         };
         toml::to_string(&file).expect("the configuration serializes")

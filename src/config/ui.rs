@@ -23,6 +23,9 @@ pub struct UiSection {
     pub token: Option<String>,
     /// Show payloads (default true; false for payloads that carry personal data).
     pub show_payloads: Option<bool>,
+    /// The host names a request's `Host` may name (against DNS rebinding); `["*"]`: any. Default:
+    /// the loopback names when `listen` is a loopback address, else any.
+    pub allowed_hosts: Option<Vec<String>>,
 }
 
 /// The default address of the console.
@@ -41,6 +44,28 @@ pub struct UiSettings {
     pub token: Option<String>,
     /// Whether payloads are shown.
     pub show_payloads: bool,
+    /// Host names (lower case, no port) a request's `Host` may name; empty: any.
+    pub allowed_hosts: Vec<String>,
+}
+
+/// The host names of a console that listens on a loopback address.
+pub const LOOPBACK_HOSTS: [&str; 3] = ["localhost", "127.0.0.1", "[::1]"];
+
+impl UiSettings {
+    /// Whether a request's `Host` header (`name` or `name:port`) is one the console answers.
+    pub fn host_allowed(&self, host: Option<&str>) -> bool {
+        if self.allowed_hosts.is_empty() {
+            return true;
+        }
+        let Some(host) = host else { return false };
+        let host = host.trim().to_ascii_lowercase();
+        // `[::1]:9465`, `localhost:9465`, `localhost`: the name without its port.
+        let name = match host.find(']') {
+            Some(i) if host.starts_with('[') => &host[..=i],
+            _ => host.split(':').next().unwrap_or_default(),
+        };
+        self.allowed_hosts.iter().any(|h| h == name)
+    }
 }
 
 impl UiSection {
@@ -81,12 +106,46 @@ impl UiSection {
                 "actions need a token: set ui.token or POSTBOX_UI_TOKEN".into(),
             ));
         }
+        let allowed_hosts = match &self.allowed_hosts {
+            Some(hosts) if hosts.iter().any(|h| h == "*") => Vec::new(),
+            Some(hosts) => {
+                let mut out = Vec::new();
+                for h in hosts {
+                    let h = h.trim().to_ascii_lowercase();
+                    let bracketed = h.starts_with('[') && h.ends_with(']');
+                    if h.is_empty()
+                        || h.contains(['/', ' ', '@'])
+                        || (h.contains(':') && !bracketed)
+                    {
+                        return Err(err(
+                            "ui.allowed_hosts",
+                            format!(
+                                "{h:?} is not a host name (no scheme, port or path: \"postbox.internal\")"
+                            ),
+                        ));
+                    }
+                    out.push(h);
+                }
+                if out.is_empty() {
+                    return Err(err(
+                        "ui.allowed_hosts",
+                        "name at least one host, or \"*\" for any".into(),
+                    ));
+                }
+                out
+            }
+            None if listen.ip().is_loopback() => {
+                LOOPBACK_HOSTS.iter().map(|h| (*h).to_owned()).collect()
+            }
+            None => Vec::new(),
+        };
         Ok(Some(UiSettings {
             listen,
             path_prefix,
             actions,
             token,
             show_payloads: self.show_payloads.unwrap_or(true),
+            allowed_hosts,
         }))
     }
 }

@@ -119,6 +119,9 @@ listen = "0.0.0.0:{{ .Values.ui.port | int }}"
 path_prefix = {{ .Values.ui.pathPrefix | quote }}
 actions = {{ .Values.ui.actions }}
 show_payloads = {{ .Values.ui.showPayloads }}
+{{- with .Values.ui.allowedHosts }}
+allowed_hosts = [{{ range $i, $h := . }}{{ if $i }}, {{ end }}{{ $h | quote }}{{ end }}]
+{{- end }}
 {{- end }}
 
 [metrics]

@@ -77,6 +77,7 @@ pub async fn serve_ui(
         relay,
         rates,
     });
+    let state_for_hosts = state.clone();
     let pages = axum::Router::new()
         .route("/", get(pages::overview))
         .route("/messages", get(pages::messages))
@@ -98,6 +99,12 @@ pub async fn serve_ui(
         .route("/enqueue", get(forms::enqueue_form).post(forms::enqueue))
         .fallback(|| async { (StatusCode::NOT_FOUND, "no such page\n") })
         .with_state(state);
+    // Against DNS rebinding: a page of another site whose name resolves to this address names
+    // its own host, which is not one of ours.
+    let pages = pages.layer(axum::middleware::from_fn_with_state(
+        state_for_hosts,
+        check_host,
+    ));
     let app = if prefix.is_empty() {
         pages
     } else {
@@ -105,6 +112,27 @@ pub async fn serve_ui(
     };
     tracing::info!(%addr, prefix = %prefix, "console listening");
     Ok(tokio::spawn(super::serve::serve(listener, app, stop)))
+}
+
+/// Refuses (421) a request whose `Host` is not one of `[ui] allowed_hosts`.
+async fn check_host(
+    State(ui): State<Arc<Ui>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    if ui.settings.host_allowed(host.as_deref()) {
+        return next.run(request).await;
+    }
+    let message = format!(
+        "host {:?} is not one this console answers to ([ui] allowed_hosts)",
+        host.unwrap_or_default()
+    );
+    (StatusCode::MISDIRECTED_REQUEST, message + "\n").into_response()
 }
 
 /// Whether the client asked for JSON.
