@@ -961,3 +961,26 @@ fn schedules_limits_enqueue_cancel_and_picked_dead_letters() {
         6
     );
 }
+
+/// With stream mode on, the overview shows the slot: streaming, its lag, its WAL status.
+#[test]
+fn the_overview_shows_stream_modes_slot() {
+    let server = common::OwnServer::start(&["wal_level=logical", "max_wal_senders=10"]);
+    let db = server.migrated();
+    let ui = Console::start(&db, "[stream]\nslot = \"postbox_console\"");
+    let slot = poll("the slot streaming", || {
+        let (_, v) = ui.json("/");
+        let s = v["stream_slots"].as_array()?.first()?.clone();
+        (s["active"] == true).then_some(s)
+    });
+    assert_eq!(slot["slot_name"], "postbox_console");
+    assert_eq!(slot["exists"], true);
+    assert!(slot["lag_bytes"].is_i64(), "{slot}");
+    let (_, _, html) = ui.request("GET", "/", &[], "");
+    assert!(
+        html.contains(
+            "Stream slot <strong>postbox_console</strong>: <span class=\"up\">streaming</span>"
+        ),
+        "{html}"
+    );
+}

@@ -99,7 +99,7 @@ pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response 
         body += &format!(
             "<tr><td><a href=\"{p}/messages?topic={q}\">{t}</a>{paused}</td><td class=\"n\">{}</td><td class=\"n\">{}</td>\
              <td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\"><a href=\"{p}/dead?topic={q}\">{}</a></td><td class=\"n\">{}</td>\
-             <td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{chart}</td><td>{sink}</td><td class=\"act\">{action}</td></tr>",
+             <td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{chart}</td><td class=\"act\">{sink}</td><td class=\"act\">{action}</td></tr>",
             t.available,
             t.scheduled,
             t.running,
@@ -115,7 +115,7 @@ pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response 
             sink = match &sink {
                 Some((name, true)) => format!("{} <span class=\"up\">up</span>", esc(name)),
                 Some((name, false)) => format!("{} <span class=\"down\">down</span>", esc(name)),
-                None => "<span class=\"muted\">none</span>".into(),
+                None => "<span class=\"muted\">not routed here</span>".into(),
             },
             q = esc(&html::url_value(&t.topic)),
             t = esc(&t.topic),
