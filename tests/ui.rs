@@ -621,6 +621,7 @@ fn a_person_uses_the_console_in_a_browser() {
     browser.screenshot(&shots.join("dead.png"));
     browser.click("a[href*='action=replay']");
     browser.wait_for("3 dead letters match");
+    browser.screenshot(&shots.join("dead-confirm.png"));
     browser.click("form[action='/dead/replay'] button");
     browser.wait_for("replayed 3 dead letters");
     assert_eq!(
@@ -687,8 +688,26 @@ fn a_person_uses_the_console_in_a_browser() {
         1
     );
 
-    // A page of another site posts to the console from this same browser (which sends the
-    // credentials with every request): refused, nothing paused.
+    // Cancel all of a topic: the confirmation page (not submitted: a third of a million rows).
+    browser.goto(&format!("{base}/topics/cancel?topic=invoices"));
+    browser.wait_for("Type the topic's name to confirm");
+    browser.screenshot(&shots.join("cancel.png"));
+
+    // Without the credential (the browser stops sending it), an action is refused: nothing paused.
+    browser.goto(&format!("{base}/"));
+    browser.always_send("X-Nothing", "1");
+    browser.click("form[action='/topics/pause'] input[value=orders] ~ button");
+    // The 401 asks for basic auth; headless, no one answers, and the page stays empty.
+    browser.wait_url("/topics/pause");
+    assert!(!browser.text().contains("paused orders"));
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.pauses"), 0);
+
+    // A page of another site posts to the console from this same browser, which sends the
+    // credentials with every request again: refused, nothing paused.
+    browser.always_send(
+        "Authorization",
+        &format!("Basic {}", base64(&format!("oncall:{TOKEN}"))),
+    );
     let evil = forger(ui.port);
     browser.goto(&format!("http://localhost:{evil}/"));
     browser.wait_for("another site");
