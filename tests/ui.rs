@@ -726,9 +726,27 @@ fn the_console_answers_only_its_own_host_names() {
         ("[::1]:9465", 200),
         ("attacker.example:9465", 421),
         ("127.0.0.1.attacker.example", 421),
+        ("[::1]evil", 421),
+        ("localhost:evil", 421),
+        ("127.0.0.1:9465@evil.example", 421),
+        ("localhost:", 421),
     ] {
         assert_eq!(host_only(&ui, h), code, "{h}");
     }
+    // An absolute-form target names the host that governs; two Host headers are refused.
+    for req in [
+        "GET http://attacker.example/ HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+        "GET / HTTP/1.1\r\nHost: localhost\r\nHost: attacker.example\r\nConnection: close\r\n\r\n",
+    ] {
+        assert_ne!(raw_status(&ui, req), 200, "{req}");
+    }
+    assert_eq!(
+        raw_status(
+            &ui,
+            "GET http://localhost:1/ HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+        ),
+        200
+    );
     drop(ui);
     let ui = Console::start(&db, "allowed_hosts = [\"Console.Internal\"]");
     assert_eq!(host_only(&ui, "console.internal:443"), 200);
@@ -740,13 +758,17 @@ fn the_console_answers_only_its_own_host_names() {
 
 /// The status of `GET /` with only this `Host` header.
 fn host_only(ui: &Console, host: &str) -> u16 {
+    raw_status(
+        ui,
+        &format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"),
+    )
+}
+
+/// The status of a request written as it is.
+fn raw_status(ui: &Console, request: &str) -> u16 {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", ui.port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    write!(
-        s,
-        "GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
+    s.write_all(request.as_bytes()).unwrap();
     let mut buf = String::new();
     s.read_to_string(&mut buf).unwrap();
     buf.split_whitespace().nth(1).unwrap().parse().unwrap()
@@ -764,6 +786,15 @@ fn behind_a_path_prefix_every_link_carries_it() {
     }
     let (code, _, _) = ui.request("GET", "/messages", &[], "");
     assert_eq!(code, 404);
+}
+
+/// Enqueues through the console's form; the new id.
+fn ui_enqueue(ui: &Console, auth: &[(&str, &str)], form: &str) -> i64 {
+    let (code, body) = ui.post("/enqueue", auth, form);
+    assert_eq!(code, 200, "{form}: {body}");
+    serde_json::from_str::<Value>(&body).unwrap()["enqueued"]
+        .as_i64()
+        .unwrap()
 }
 
 /// Polls `f` until it returns `Some`, or fails after 30 s.
@@ -968,11 +999,72 @@ fn schedules_limits_enqueue_cancel_and_picked_dead_letters() {
     let (code, _) = ui.post("/dead/pick", &[], "action=purge&id=100004");
     assert_eq!(code, 401);
     // A dead letter's page offers both, for that one message.
+    let (code, body) = ui.post("/dead/pick", &auth, "action=purge&action=replay&id=100004");
+    assert_eq!(code, 400, "two actions: {body}");
+    let (code, body) = ui.post(
+        "/dead/replay",
+        &auth,
+        "state=running&expected=1&selection=x",
+    );
+    assert_eq!(code, 400, "a state on dead letters: {body}");
+    let (code, body) = ui.post("/topics/cancel", &auth, "topic=a%00b&confirm=a%00b");
+    assert_eq!(code, 400, "NUL: {body}");
     let (_, _, html) = ui.request("GET", "/messages/100004", &[], "");
     assert!(
         html.contains("action=\"/dead/pick\"") && html.contains("value=\"100004\""),
         "{html}"
     );
+    // A plain field's `\u0000` is text, not a NUL: a key may hold it.
+    let (code, body) = ui.json(&format!("/messages?key={}", enc(r"C:\u0000x")));
+    assert_eq!(code, 200, "{body}");
+    // An empty CSRF cookie is none: the page sets a fresh one.
+    let (_, head, _) = ui.request("GET", "/", &[("Cookie", "postbox_csrf=")], "");
+    assert!(head.contains("set-cookie: postbox_csrf="), "{head}");
+    // A topic whose name holds `*` gets no Pause button (a pause is a pattern: it would pause
+    // others too).
+    ui_enqueue(&ui, &auth, "topic=o*&payload=1");
+    let (_, _, html) = ui.request("GET", "/", &[], "");
+    assert!(!html.contains("name=\"topic\" value=\"o*\""), "{html}");
+    assert!(html.contains("a * in its name"), "{html}");
+
+    // A replayed older message of an ordered key waits behind the newer head (which was locked,
+    // as a claim locks it, when the replay came): the head is the head, whatever the ids.
+    let older = ui_enqueue(&ui, &auth, "topic=ledger2&key=k&ordered=on&payload=0");
+    db.exec(&format!(
+        "INSERT INTO postbox.dead_letters (id, topic, key, ordered, payload, headers, priority, attempts, max_attempts, created_at, reason)
+         SELECT id, topic, key, ordered, payload, headers, priority, attempts, max_attempts, created_at, 'test'
+         FROM postbox.messages WHERE id = {older};
+         DELETE FROM postbox.messages WHERE id = {older}"
+    ));
+    let head = ui_enqueue(&ui, &auth, "topic=ledger2&key=k&ordered=on&payload=1");
+    let last = ui_enqueue(&ui, &auth, "topic=ledger2&key=k&ordered=on&payload=2");
+    {
+        use diesel::connection::SimpleConnection;
+        let mut holder = db.conn();
+        holder
+            .batch_execute(&format!(
+                "BEGIN; SELECT id FROM postbox.messages WHERE id = {head} FOR UPDATE"
+            ))
+            .unwrap();
+        let (code, body) = ui.post("/dead/pick", &auth, &format!("action=replay&id={older}"));
+        assert_eq!(code, 200, "{body}");
+        holder.batch_execute("COMMIT").unwrap();
+    }
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) AS v FROM postbox.messages WHERE id = {older} AND state = 'waiting'"
+        )),
+        1,
+        "the replayed message waits behind the locked head"
+    );
+    for (id, ahead) in [(head, 0), (older, 1), (last, 2)] {
+        let (_, v) = ui.json(&format!("/messages/{id}"));
+        assert_eq!(
+            v["key_position"],
+            json!({"head": head, "ahead": ahead, "capped": false}),
+            "{id}"
+        );
+    }
     assert_eq!(
         db.scalar(
             "SELECT count(*) AS v FROM postbox.dead_letters WHERE id BETWEEN 100001 AND 100009"

@@ -59,12 +59,16 @@ impl UiSettings {
         }
         let Some(host) = host else { return false };
         let host = host.trim().to_ascii_lowercase();
-        // `[::1]:9465`, `localhost:9465`, `localhost`: the name without its port.
-        let name = match host.find(']') {
-            Some(i) if host.starts_with('[') => &host[..=i],
-            _ => host.split(':').next().unwrap_or_default(),
+        // `[::1]:9465`, `localhost:9465`, `localhost`: the name, then nothing or a port.
+        let (name, rest) = match host.find(']') {
+            Some(i) if host.starts_with('[') => host.split_at(i + 1),
+            _ => host.split_at(host.find(':').unwrap_or(host.len())),
         };
-        self.allowed_hosts.iter().any(|h| h == name)
+        let port_ok = rest.is_empty()
+            || rest.strip_prefix(':').is_some_and(|p| {
+                !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit())
+            });
+        port_ok && self.allowed_hosts.iter().any(|h| h == name)
     }
 }
 

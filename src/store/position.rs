@@ -20,8 +20,8 @@ pub struct KeyPosition {
     /// while the key has none (a head being promoted, or the key's messages are all scheduled).
     #[diesel(sql_type = Nullable<BigInt>)]
     pub head: Option<i64>,
-    /// Messages of the key with a lower id: the head and the waiting ones before it (at most
-    /// [`AHEAD_MAX`]; see `capped`).
+    /// Messages of the key before this one: the head (for a waiting message) and the waiting ones
+    /// with a lower id (at most [`AHEAD_MAX`]; see `capped`); 0 for the head itself.
     #[diesel(sql_type = BigInt)]
     pub ahead: i64,
     /// True when more than [`AHEAD_MAX`] are ahead.
@@ -29,21 +29,25 @@ pub struct KeyPosition {
     pub capped: bool,
 }
 
-/// $1 the message. Nothing for a message that is not queued, unordered, or has no key.
+/// $1 the message, $2 the cap. Nothing for a message that is not queued, unordered, or has no
+/// key. The head is the key's one message that is not waiting, whatever its id (a replayed older
+/// message waits behind a newer head); the waiting ones go in id order after it.
 const POSITION: &str = r#"
-SELECT (SELECT h.id FROM postbox.messages h
-        WHERE h.topic = m.topic AND h.key = m.key AND h.ordered AND h.state <> 'waiting'
-        ORDER BY h.id LIMIT 1) AS head,
+SELECT h.id AS head,
        least(a.n, $2) AS ahead,
        a.n > $2 AS capped
-FROM postbox.messages m,
-LATERAL (SELECT count(*) AS n FROM (
-           SELECT 1 FROM postbox.messages w
-           WHERE w.topic = m.topic AND w.key = m.key AND w.state = 'waiting' AND w.id < m.id
-           LIMIT $2 + 1) c) w,
-LATERAL (SELECT w.n + (SELECT count(*) FROM postbox.messages h
-                       WHERE h.topic = m.topic AND h.key = m.key AND h.ordered
-                         AND h.state <> 'waiting' AND h.id < m.id) AS n) a
+FROM postbox.messages m
+LEFT JOIN LATERAL (SELECT h.id FROM postbox.messages h
+                   WHERE h.topic = m.topic AND h.key = m.key AND h.ordered AND h.state <> 'waiting'
+                   ORDER BY h.id LIMIT 1) h ON true,
+LATERAL (SELECT CASE WHEN m.state <> 'waiting' THEN 0
+                     ELSE (h.id IS NOT NULL)::int + (
+                         SELECT count(*) FROM (
+                             SELECT 1 FROM postbox.messages w
+                             WHERE w.topic = m.topic AND w.key = m.key AND w.state = 'waiting'
+                               AND w.id < m.id
+                             LIMIT $2 + 1) c)
+                END::bigint AS n) a
 WHERE m.id = $1 AND m.ordered AND m.key IS NOT NULL
 "#;
 

@@ -104,6 +104,19 @@ async fn dead_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, replay: bool) 
         Ok(x) => x,
         Err(e) => return refuse(&ui, &headers, (StatusCode::BAD_REQUEST, e)),
     };
+    if filter.state.is_some() {
+        return refuse(
+            &ui,
+            &headers,
+            (
+                StatusCode::BAD_REQUEST,
+                "state: dead letters have no state to filter on".into(),
+            ),
+        );
+    }
+    if let Some(r) = super::pages::hidden_payload_filter(&ui, &filter) {
+        return refuse(&ui, &headers, r);
+    }
     let Ok(expected) = f.expected.trim().parse::<i64>() else {
         return refuse(
             &ui,
@@ -210,6 +223,17 @@ pub(super) async fn dead_pick(
         Ok(w) => w,
         Err(r) => return refuse(&ui, &headers, r),
     };
+    let once = |name: &str| pairs.iter().filter(|(k, _)| k == name).count() <= 1;
+    if !once("action") || !once("csrf") {
+        return refuse(
+            &ui,
+            &headers,
+            (
+                StatusCode::BAD_REQUEST,
+                "action: give one action and one csrf token".into(),
+            ),
+        );
+    }
     let replay = match field("action") {
         "replay" => true,
         "purge" => false,

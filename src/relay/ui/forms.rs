@@ -28,7 +28,7 @@ pub(super) async fn cancel_form(
     Query(f): Query<CancelForm>,
 ) -> Response {
     let csrf = Csrf::of(&headers);
-    if f.topic.trim().is_empty() {
+    if f.topic.trim().is_empty() || f.topic.contains('\0') {
         return refuse(&ui, &headers, bad("topic: name the topic to cancel"));
     }
     let stats = match ui.store.stats().await {
@@ -81,6 +81,13 @@ pub(super) async fn cancel(
         Ok(w) => w,
         Err(r) => return refuse(&ui, &headers, r),
     };
+    if f.topic.contains('\0') {
+        return refuse(
+            &ui,
+            &headers,
+            bad("topic: contains a NUL character, which no topic can hold"),
+        );
+    }
     if f.topic.is_empty() || f.confirm != f.topic {
         return refuse(
             &ui,

@@ -38,7 +38,9 @@ pub fn csrf_cookie(headers: &HeaderMap) -> Option<String> {
         .flat_map(|v| v.split(';'))
         .filter_map(|c| c.trim().split_once('='))
         .find(|(name, _)| *name == CSRF_COOKIE)
-        .map(|(_, v)| v.to_owned())
+        .map(|(_, v)| v.trim().to_owned())
+        // An empty cookie is none: the page sets a fresh one rather than a token no form can match.
+        .filter(|v| !v.is_empty())
 }
 
 /// How the request authenticates: `Bearer` (a script: no CSRF token needed, a browser never sends
@@ -99,7 +101,7 @@ pub fn same_site(
 ) -> Result<(), Refusal> {
     let forbidden = |why: &str| (StatusCode::FORBIDDEN, why.to_owned());
     if let Some(site) = headers.get("sec-fetch-site").and_then(|v| v.to_str().ok())
-        && site == "cross-site"
+        && site.trim().eq_ignore_ascii_case("cross-site")
     {
         return Err(forbidden("refused: the request came from another site"));
     }

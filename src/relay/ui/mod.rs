@@ -120,12 +120,21 @@ async fn check_host(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let host = request
+    // One Host header; an absolute-form target's authority must be allowed too (it governs).
+    let hosts: Vec<&str> = request
         .headers()
-        .get(header::HOST)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
-    if ui.settings.host_allowed(host.as_deref()) {
+        .get_all(header::HOST)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect();
+    let authority = request.uri().authority().map(|a| a.as_str().to_owned());
+    let host = hosts.first().map(|h| (*h).to_owned());
+    let allowed = hosts.len() <= 1
+        && ui.settings.host_allowed(host.as_deref())
+        && authority
+            .as_deref()
+            .is_none_or(|a| ui.settings.host_allowed(Some(a)));
+    if allowed {
         return next.run(request).await;
     }
     let message = format!(

@@ -81,6 +81,13 @@ pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response 
         let r = rates.get(&t.topic).cloned().unwrap_or_default();
         let action = if !ui.settings.actions {
             String::new()
+        } else if t.topic.contains('*') {
+            // A pause is a pattern: a `*` in the name would pause other topics too.
+            format!(
+                "<span class=\"muted\">a * in its name: pause by pattern</span> \
+                 <a href=\"{p}/topics/cancel?topic={q}\">Cancel all…</a>",
+                q = esc(&html::url_value(&t.topic)),
+            )
         } else {
             let (verb, label) = if is_paused {
                 ("resume", "Resume")
@@ -521,7 +528,10 @@ pub(super) async fn dead_confirm(
 }
 
 /// With payloads hidden, a payload filter would tell them one guess at a time: refused.
-fn hidden_payload_filter(ui: &super::Ui, filter: &Filter) -> Option<super::guard::Refusal> {
+pub(super) fn hidden_payload_filter(
+    ui: &super::Ui,
+    filter: &Filter,
+) -> Option<super::guard::Refusal> {
     (!ui.settings.show_payloads && filter.payload.is_some()).then(|| {
         (
             StatusCode::BAD_REQUEST,
