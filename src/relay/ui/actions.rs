@@ -9,8 +9,8 @@ use axum::response::Response;
 use serde_json::json;
 
 use super::guard::{self, Credential, Refusal};
-use super::html::{FilterText, esc, parse_filter};
-use super::{ACT_MAX, Csrf, Shared, Ui, answer, database_error, refuse};
+use super::html::{FilterText, parse_filter};
+use super::{ACT_MAX, Csrf, Shared, Ui, database_error, refuse};
 use crate::store::DeadSelector;
 
 /// The form of a dead-letter action: the filter it applies to, the count and the selection (a
@@ -104,17 +104,7 @@ async fn dead_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, replay: bool) 
         Ok(x) => x,
         Err(e) => return refuse(&ui, &headers, (StatusCode::BAD_REQUEST, e)),
     };
-    if filter.state.is_some() {
-        return refuse(
-            &ui,
-            &headers,
-            (
-                StatusCode::BAD_REQUEST,
-                "state: dead letters have no state to filter on".into(),
-            ),
-        );
-    }
-    if let Some(r) = super::pages::hidden_payload_filter(&ui, &filter) {
+    if let Some(r) = super::pages::dead_refusal(&ui, &filter) {
         return refuse(&ui, &headers, r);
     }
     let Ok(expected) = f.expected.trim().parse::<i64>() else {
@@ -168,17 +158,13 @@ async fn dead_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, replay: bool) 
             String::new()
         }
     );
-    answer(
+    let dead = format!("{}/dead", ui.settings.path_prefix);
+    super::done(
         &ui,
         &headers,
         &csrf,
-        StatusCode::OK,
-        "Done",
-        format!(
-            "<p class=\"notice\" role=\"status\">{}</p><p><a href=\"{}/dead\">Dead letters</a></p>",
-            esc(&message),
-            esc(&ui.settings.path_prefix)
-        ),
+        &message,
+        (&dead, "Dead letters"),
         json!({ verb: done, "skipped": skipped }),
     )
 }
@@ -300,17 +286,13 @@ pub(super) async fn dead_pick(
             String::new()
         }
     );
-    answer(
+    let dead = format!("{}/dead", ui.settings.path_prefix);
+    super::done(
         &ui,
         &headers,
         &csrf,
-        StatusCode::OK,
-        "Done",
-        format!(
-            "<p class=\"notice\" role=\"status\">{}</p><p><a href=\"{}/dead\">Dead letters</a></p>",
-            esc(&message),
-            esc(&ui.settings.path_prefix)
-        ),
+        &message,
+        (&dead, "Dead letters"),
         json!({ verb: done, "skipped": skipped, "picked": ids.len() }),
     )
 }
@@ -364,17 +346,12 @@ async fn topic_act(ui: Arc<Ui>, headers: HeaderMap, f: TopicForm, pause: bool) -
         f.topic,
         if n == 0 { " (nothing changed)" } else { "" }
     );
-    answer(
+    super::done(
         &ui,
         &headers,
         &csrf,
-        StatusCode::OK,
-        "Done",
-        format!(
-            "<p class=\"notice\" role=\"status\">{}</p><p><a href=\"{}\">Overview</a></p>",
-            esc(&message),
-            esc(&super::html::home(&ui.settings.path_prefix))
-        ),
+        &message,
+        (&super::html::home(&ui.settings.path_prefix), "Overview"),
         json!({ verb: n }),
     )
 }

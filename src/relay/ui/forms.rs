@@ -104,7 +104,7 @@ pub(super) async fn cancel(
         Err(e) => return database_error(&ui, &headers, e),
     };
     tracing::info!(target: "postbox::ui::audit", who = %who, action = "cancelled", topic = ?f.topic, dead = done.dead, running = done.running, "console action");
-    done_page(
+    super::done(
         &ui,
         &headers,
         &csrf,
@@ -112,6 +112,7 @@ pub(super) async fn cancel(
             "cancelled {}: {} to the dead letters, {} running will not be retried",
             f.topic, done.dead, done.running
         ),
+        (&html::home(&ui.settings.path_prefix), "Overview"),
         json!({ "cancelled": done.dead, "running": done.running }),
     )
 }
@@ -167,11 +168,12 @@ pub(super) async fn run_schedule(
         Err(e) => return database_error(&ui, &headers, e),
     };
     tracing::info!(target: "postbox::ui::audit", who = %who, action = "ran schedule", schedule = %schedule.name(), id, "console action");
-    done_page(
+    super::done(
         &ui,
         &headers,
         &csrf,
         &format!("enqueued message {id} of schedule {}", schedule.name()),
+        (&html::home(&ui.settings.path_prefix), "Overview"),
         json!({ "enqueued": id, "schedule": schedule.name() }),
     )
 }
@@ -208,25 +210,18 @@ fn enqueue_body(ui: &Ui, csrf: &Csrf, f: &EnqueueForm) -> String {
     if !ui.settings.actions {
         return "<p>The console is read-only ([ui] actions = false).</p>".into();
     }
-    let input = |name: &str, label: &str, value: &str, hint: &str| {
-        format!(
-            "<label>{label}<input name=\"{name}\" value=\"{}\" placeholder=\"{}\"></label>",
-            esc(value),
-            esc(hint)
-        )
-    };
     let mut out = format!(
         "<form class=\"filter enqueue\" method=\"post\" action=\"{}/enqueue\"><input type=\"hidden\" name=\"csrf\" value=\"{}\">",
         esc(&ui.settings.path_prefix),
         esc(&csrf.value)
     );
-    out += &input("topic", "Topic", &f.topic, "orders.created");
-    out += &input("key", "Key", &f.key, "");
+    out += &html::input("topic", "Topic", &f.topic, "orders.created");
+    out += &html::input("key", "Key", &f.key, "");
     out += &format!(
         "<label>Ordered<input type=\"checkbox\" name=\"ordered\" value=\"on\"{}></label>",
         if f.ordered.is_empty() { "" } else { " checked" }
     );
-    out += &input("delay", "Delay", &f.delay, "30s");
+    out += &html::input("delay", "Delay", &f.delay, "30s");
     out += &format!(
         "<label>Headers (JSON object of strings)<textarea name=\"headers\" rows=\"3\" cols=\"40\" placeholder=\"{{&quot;type&quot;: &quot;x&quot;}}\">{}</textarea></label>",
         esc(&f.headers)
@@ -326,26 +321,4 @@ pub(super) async fn enqueue(
 
 fn bad(message: &str) -> super::guard::Refusal {
     (StatusCode::BAD_REQUEST, message.to_owned())
-}
-
-fn done_page(
-    ui: &Ui,
-    headers: &HeaderMap,
-    csrf: &Csrf,
-    message: &str,
-    value: serde_json::Value,
-) -> Response {
-    answer(
-        ui,
-        headers,
-        csrf,
-        StatusCode::OK,
-        "Done",
-        format!(
-            "<p class=\"notice\" role=\"status\">{}</p><p><a href=\"{}\">Overview</a></p>",
-            esc(message),
-            esc(&html::home(&ui.settings.path_prefix))
-        ),
-        value,
-    )
 }

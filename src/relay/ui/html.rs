@@ -104,15 +104,17 @@ pub fn error(message: &str) -> String {
     format!("<p class=\"error\" role=\"alert\">{}</p>", esc(message))
 }
 
+/// A labelled text field of a form.
+pub fn input(name: &str, label: &str, value: &str, hint: &str) -> String {
+    format!(
+        "<label>{label}<input name=\"{name}\" value=\"{}\" placeholder=\"{}\"></label>",
+        esc(value),
+        esc(hint)
+    )
+}
+
 /// The filter form of a list page.
 pub fn filter_form(action: &str, f: &FilterText, with_state: bool) -> String {
-    let input = |name: &str, label: &str, value: &str, hint: &str| {
-        format!(
-            "<label>{label}<input name=\"{name}\" value=\"{}\" placeholder=\"{}\"></label>",
-            esc(value),
-            esc(hint)
-        )
-    };
     let mut out = format!(
         "<form class=\"filter\" method=\"get\" action=\"{}\">",
         esc(action)

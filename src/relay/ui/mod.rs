@@ -205,6 +205,31 @@ pub(super) fn answer(
     response
 }
 
+/// The page after an action: what it did, and a link on (`(href, label)`).
+pub(super) fn done(
+    ui: &Ui,
+    headers: &HeaderMap,
+    csrf: &Csrf,
+    message: &str,
+    (href, label): (&str, &str),
+    value: serde_json::Value,
+) -> Response {
+    answer(
+        ui,
+        headers,
+        csrf,
+        StatusCode::OK,
+        "Done",
+        format!(
+            "<p class=\"notice\" role=\"status\">{}</p><p><a href=\"{}\">{}</a></p>",
+            html::esc(message),
+            html::esc(href),
+            html::esc(label)
+        ),
+        value,
+    )
+}
+
 /// A refusal or a bad request, as a page or as JSON; never a 500 for what the user typed.
 pub(super) fn refuse(ui: &Ui, headers: &HeaderMap, (status, message): Refusal) -> Response {
     let mut r = answer(

@@ -369,17 +369,7 @@ pub(super) async fn dead(
         Ok(x) => x,
         Err(e) => return refuse(&ui, &headers, (StatusCode::BAD_REQUEST, e)),
     };
-    if filter.state.is_some() {
-        return refuse(
-            &ui,
-            &headers,
-            (
-                StatusCode::BAD_REQUEST,
-                "state: dead letters have no state to filter on".into(),
-            ),
-        );
-    }
-    if let Some(r) = hidden_payload_filter(&ui, &filter) {
+    if let Some(r) = dead_refusal(&ui, &filter) {
         return refuse(&ui, &headers, r);
     }
     let page = match ui
@@ -465,17 +455,7 @@ pub(super) async fn dead_confirm(
         Ok(f) => f,
         Err(e) => return refuse(&ui, &headers, (StatusCode::BAD_REQUEST, e)),
     };
-    if filter.state.is_some() {
-        return refuse(
-            &ui,
-            &headers,
-            (
-                StatusCode::BAD_REQUEST,
-                "state: dead letters have no state to filter on".into(),
-            ),
-        );
-    }
-    if let Some(r) = hidden_payload_filter(&ui, &filter) {
+    if let Some(r) = dead_refusal(&ui, &filter) {
         return refuse(&ui, &headers, r);
     }
     let ids = match ui.store.dead_ids(&filter, None, ACT_MAX + 1).await {
@@ -525,6 +505,18 @@ pub(super) async fn dead_confirm(
         body,
         json!({ "action": verb, "matching": matching, "selection": selection }),
     )
+}
+
+/// Why a filter cannot apply to dead letters: a state (they have none), or a payload filter while
+/// payloads are hidden.
+pub(super) fn dead_refusal(ui: &super::Ui, filter: &Filter) -> Option<super::guard::Refusal> {
+    if filter.state.is_some() {
+        return Some((
+            StatusCode::BAD_REQUEST,
+            "state: dead letters have no state to filter on".into(),
+        ));
+    }
+    hidden_payload_filter(ui, filter)
 }
 
 /// With payloads hidden, a payload filter would tell them one guess at a time: refused.
