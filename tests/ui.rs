@@ -1009,11 +1009,19 @@ fn schedules_limits_enqueue_cancel_and_picked_dead_letters() {
     assert_eq!(code, 400, "a state on dead letters: {body}");
     let (code, body) = ui.post("/topics/cancel", &auth, "topic=a%00b&confirm=a%00b");
     assert_eq!(code, 400, "NUL: {body}");
+    // A dead letter's page: its first and last errors, and its own replay / purge.
+    db.exec(
+        "UPDATE postbox.dead_letters SET first_error = 'first boom', last_error = 'last boom' WHERE id = 100004",
+    );
+    let (_, v) = ui.json("/messages/100004");
+    assert_eq!(v["first_error"], "first boom");
+    assert_eq!(v["last_error"], "last boom");
     let (_, _, html) = ui.request("GET", "/messages/100004", &[], "");
     assert!(
         html.contains("action=\"/dead/pick\"") && html.contains("value=\"100004\""),
         "{html}"
     );
+    assert!(html.contains("first boom"), "{html}");
     // A plain field's `\u0000` is text, not a NUL: a key may hold it.
     let (code, body) = ui.json(&format!("/messages?key={}", enc(r"C:\u0000x")));
     assert_eq!(code, 200, "{body}");

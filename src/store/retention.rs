@@ -53,6 +53,8 @@ pub enum Shown {
         locked_by: Option<String>,
         /// The error of its last failed attempt.
         last_error: Option<String>,
+        /// The error of its first failed attempt.
+        first_error: Option<String>,
         /// Its payload.
         payload: serde_json::Value,
         /// Its headers.
@@ -76,6 +78,8 @@ pub enum Shown {
         dead_at: DateTime<Utc>,
         /// The error of its last failed attempt.
         last_error: Option<String>,
+        /// The error of its first failed attempt.
+        first_error: Option<String>,
         /// Its payload.
         payload: serde_json::Value,
         /// Its headers.
@@ -145,6 +149,8 @@ struct Found {
     who: Option<String>,
     #[diesel(sql_type = Nullable<Text>, deserialize_as = LenientOptText)]
     detail: Option<String>,
+    #[diesel(sql_type = Nullable<Text>, deserialize_as = LenientOptText)]
+    first_error: Option<String>,
     #[diesel(sql_type = Jsonb, deserialize_as = LenientJson)]
     payload: serde_json::Value,
     #[diesel(sql_type = Jsonb, deserialize_as = LenientJson)]
@@ -178,16 +184,16 @@ const EXPIRED: &str =
 /// letter can have been delivered once before), newest first.
 const FIND: &str = "
 SELECT 'queued' AS place, id, topic, key, state::text AS state, attempts, max_attempts, created_at,
-       run_at AS at, locked_by AS who, last_error AS detail, payload, headers, 0 AS rank,
+       run_at AS at, locked_by AS who, last_error AS detail, first_error, payload, headers, 0 AS rank,
        now() AS sort
 FROM postbox.messages WHERE id = $1
 UNION ALL
 SELECT 'dead', id, topic, key, NULL, attempts, max_attempts, created_at, dead_at,
-       reason, last_error, payload, headers, 1, dead_at
+       reason, last_error, first_error, payload, headers, 1, dead_at
 FROM postbox.dead_letters WHERE id = $1
 UNION ALL
 SELECT 'delivered', id, topic, key, NULL, attempts, NULL, created_at, delivered_at, relay,
-       sink, payload, headers, 2, delivered_at
+       sink, NULL::text, payload, headers, 2, delivered_at
 FROM postbox.completed WHERE id = $1
 ORDER BY rank, sort DESC";
 
@@ -290,6 +296,7 @@ impl Store {
                     run_at: at,
                     locked_by: r.who,
                     last_error: r.detail,
+                    first_error: r.first_error,
                     payload: r.payload,
                     headers: r.headers,
                 },
@@ -302,6 +309,7 @@ impl Store {
                     created_at: r.created_at,
                     dead_at: at,
                     last_error: r.detail,
+                    first_error: r.first_error,
                     payload: r.payload,
                     headers: r.headers,
                 },
