@@ -1,6 +1,6 @@
 //! `--only console`: the console's pages at scale (`--status-rows`, default 10M): a backlog of that
-//! many messages (three topics, ~230-byte payloads, 30 % scheduled an hour ahead) and as many dead
-//! letters, served by the console in this process. Each page is fetched 40 times (HTML, over
+//! many messages (three topics, ~230-byte payloads, 30 % scheduled an hour ahead), a tenth more
+//! ordered over 10,000 keys (100 of their heads failed once), and as many dead letters, served by the console in this process. Each page is fetched 40 times (HTML, over
 //! HTTP) on the tables as inserted (never analyzed), then after `VACUUM ANALYZE`: p50 and p95.
 //!
 //! Pages: the overview; messages with a topic and a JSON filter; messages with a JSON filter that
@@ -103,8 +103,21 @@ pub async fn run(url: &str, rows: usize) {
         );
         done += n;
     }
+    // A tenth more, ordered over 10,000 keys (through the insert trigger: one head a key, the
+    // rest waiting), a hundred of whose heads have failed: the overview's stalled keys and
+    // invariant check read these.
+    let ordered = rows / 10;
+    exec(
+        url,
+        &format!(
+            "INSERT INTO postbox.messages (topic, key, ordered, payload)
+             SELECT 'ledger', 'k-' || (g % 10000), true, {payload} FROM generate_series(1, {ordered}) g;
+             UPDATE postbox.messages SET attempts = 1, last_error = 'boom'
+             WHERE id IN (SELECT id FROM postbox.messages WHERE topic = 'ledger' AND state = 'available' LIMIT 100)"
+        ),
+    );
     println!(
-        "console: {rows} messages and {rows} dead letters built in {:.0} s",
+        "console: {rows} messages (+{ordered} ordered) and {rows} dead letters built in {:.0} s",
         t.elapsed().as_secs_f64()
     );
     let store = Store::connect(url, 8).await.unwrap();
