@@ -425,6 +425,27 @@ fn a_read_only_console_refuses_actions_and_can_hide_payloads() {
         html.contains("hidden") && !html.contains("\"n\": 42"),
         "{html}"
     );
+    // With actions on and payloads hidden, a dead-letter action's payload filter is refused too
+    // (its count would tell whether a guess matched), and so is its confirmation page.
+    drop(ui);
+    let ui = Console::start(
+        &db,
+        &format!("show_payloads = false\nactions = true\ntoken = \"{TOKEN}\""),
+    );
+    let payload = enc(r#"{"customer": "c-1"}"#);
+    let (code, body) = ui.post(
+        "/dead/purge",
+        &[("Authorization", &format!("Bearer {TOKEN}"))],
+        &format!("payload={payload}&expected=3&selection=x"),
+    );
+    assert_eq!(code, 400, "{body}");
+    assert!(body.contains("payloads are hidden"), "{body}");
+    let (code, _) = ui.json(&format!("/dead/confirm?action=purge&payload={payload}"));
+    assert_eq!(code, 400);
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters"),
+        9
+    );
 }
 
 #[test]

@@ -192,5 +192,13 @@ mod tests {
         h.insert(header::ORIGIN, "http://127.0.0.1:9465".parse().unwrap());
         h.insert("sec-fetch-site", "cross-site".parse().unwrap());
         assert!(same_site(&h, Credential::Basic, Some("abc123")).is_err());
+        h.insert("sec-fetch-site", "Cross-Site".parse().unwrap());
+        assert!(same_site(&h, Credential::Bearer, None).is_err());
+        h.insert("sec-fetch-site", "same-origin".parse().unwrap());
+        assert!(same_site(&h, Credential::Bearer, None).is_ok());
+        // An empty cookie is no token.
+        h.insert(header::COOKIE, "postbox_csrf=".parse().unwrap());
+        assert_eq!(csrf_cookie(&h), None);
+        assert!(same_site(&h, Credential::Basic, Some("")).is_err());
     }
 }
