@@ -186,6 +186,18 @@ async fn act_on(ui: &Ui, ids: &[i64], replay: bool) -> crate::Result<(usize, usi
     Ok((done, skipped))
 }
 
+/// A dead-letter action's name: `replay` (true) or `purge` (false).
+pub(super) fn is_replay(action: &str) -> std::result::Result<bool, Refusal> {
+    match action {
+        "replay" => Ok(true),
+        "purge" => Ok(false),
+        other => Err((
+            StatusCode::BAD_REQUEST,
+            format!("action: {other:?} is neither replay nor purge"),
+        )),
+    }
+}
+
 /// Dead letters picked one by one (a message's page, the checkboxes of the list) a form acts on
 /// at most.
 pub const PICK_MAX: usize = 1000;
@@ -220,19 +232,9 @@ pub(super) async fn dead_pick(
             ),
         );
     }
-    let replay = match field("action") {
-        "replay" => true,
-        "purge" => false,
-        other => {
-            return refuse(
-                &ui,
-                &headers,
-                (
-                    StatusCode::BAD_REQUEST,
-                    format!("action: {other:?} is neither replay nor purge"),
-                ),
-            );
-        }
+    let replay = match is_replay(field("action")) {
+        Ok(r) => r,
+        Err(r) => return refuse(&ui, &headers, r),
     };
     let mut ids = Vec::new();
     for (_, v) in pairs.iter().filter(|(k, _)| k == "id") {

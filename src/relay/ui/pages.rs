@@ -437,19 +437,10 @@ pub(super) async fn dead_confirm(
     Query(q): Query<ConfirmQuery>,
 ) -> Response {
     let csrf = Csrf::of(&headers);
-    let (verb, label) = match q.action.as_str() {
-        "replay" => ("replay", "Replay"),
-        "purge" => ("purge", "Purge"),
-        other => {
-            return refuse(
-                &ui,
-                &headers,
-                (
-                    StatusCode::BAD_REQUEST,
-                    format!("action: {other:?} is neither replay nor purge"),
-                ),
-            );
-        }
+    let (verb, label) = match super::actions::is_replay(&q.action) {
+        Ok(true) => ("replay", "Replay"),
+        Ok(false) => ("purge", "Purge"),
+        Err(r) => return refuse(&ui, &headers, r),
     };
     let filter = match parse_filter(&q.filter) {
         Ok(f) => f,
