@@ -1,7 +1,8 @@
 //! The state model under random interleavings, against a real PostgreSQL. Several workers, each
 //! with its own connections, run random operations for about a minute (`POSTBOX_MODEL_SECS`):
-//! enqueue (ordered, unordered, scheduled, with dedup keys) in transactions that commit or roll
-//! back, claim by lease and by hold, complete, retry, dead-letter, release, abandon a lease, drop
+//! enqueue (ordered, unordered, scheduled, with dedup keys; now and then a bulk over many keys) in
+//! transactions that commit or roll back — one worker holds each of its transactions open for up
+//! to 1.5 s after its writes, its checks run at once half the time — claim by lease and by hold, complete, retry, dead-letter, release, abandon a lease, drop
 //! a hold, cancel, replay dead letters, pause and resume, rescue, count lost holds, terminate a
 //! relay backend. After every operation `Store::check` must find nothing; at the end everything is
 //! drained, and every message committed must have been delivered exactly once or be dead, and
@@ -24,6 +25,8 @@ use postbox::store::{CancelSelector, Dead, DeadSelector, Retry};
 use postbox::{Enqueued, Message, Store, Topics};
 
 const KEYS: usize = 5;
+/// The worker that only writes, each time holding its transaction open for a while.
+const LINGERING_WRITER: usize = 4;
 const LEASE: Duration = Duration::from_secs(1);
 const HOLD_LIMIT: Duration = Duration::from_secs(1);
 
@@ -79,14 +82,43 @@ fn message(rng: &mut fastrand::Rng) -> Message {
     m.max_attempts(3)
 }
 
-async fn enqueue(world: &World, w: usize, conn: &mut AsyncPgConnection, rng: &mut fastrand::Rng) {
-    let msgs: Vec<Message> = (0..rng.usize(1..4)).map(|_| message(rng)).collect();
+/// Enqueues a few messages in a transaction that commits or rolls back; now and then a bulk of
+/// ordered messages over many keys (an app's import). `linger`: the transaction stays open that
+/// long after its writes, its checks run at once (`SET CONSTRAINTS ALL IMMEDIATE`) half the time,
+/// as a slow commit or an app that holds its transaction open does.
+async fn enqueue(
+    world: &World,
+    w: usize,
+    conn: &mut AsyncPgConnection,
+    rng: &mut fastrand::Rng,
+    linger: Option<Duration>,
+) {
+    let msgs: Vec<Message> = if rng.u8(..12) == 0 {
+        (0..rng.usize(20..200))
+            .map(|_| {
+                Message::new("m")
+                    .key(format!("k{}", rng.usize(..KEYS * 4)))
+                    .ordered()
+                    .max_attempts(3)
+            })
+            .collect()
+    } else {
+        (0..rng.usize(1..4)).map(|_| message(rng)).collect()
+    };
     let commit = rng.u8(..5) != 0;
+    let immediate = rng.bool();
     let r = conn
         .transaction(async |c| {
             let got = postbox::enqueue_many_async(c, &msgs)
                 .await
                 .map_err(|e| diesel::result::Error::QueryBuilderError(e.to_string().into()))?;
+            if let Some(linger) = linger {
+                if immediate {
+                    use diesel_async::SimpleAsyncConnection;
+                    c.batch_execute("SET CONSTRAINTS ALL IMMEDIATE").await?;
+                }
+                tokio::time::sleep(linger).await;
+            }
             if commit {
                 Ok(got)
             } else {
@@ -261,10 +293,14 @@ async fn other(
             .lost_holds()
             .await
             .map(|n| format!("lost holds -> {n}")),
-        6 => store
+        6 if rng.bool() => store
             .promote_due()
             .await
             .map(|p| format!("promote due -> {}", p.promoted)),
+        6 => store
+            .finish_heads()
+            .await
+            .map(|f| format!("finish heads -> {f:?}")),
         _ => {
             if rng.u8(..4) != 0 {
                 return;
@@ -296,8 +332,14 @@ async fn worker(world: Arc<World>, w: usize, url: String, store: Store, seed: u6
     let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
     let mut ops = 0u64;
     while Instant::now() < until && world.violations.lock().unwrap().is_empty() {
+        if w == LINGERING_WRITER {
+            let linger = Duration::from_millis(rng.u64(50..1500));
+            enqueue(&world, w, &mut conn, &mut rng, Some(linger)).await;
+            ops += 1;
+            continue;
+        }
         match rng.u8(..10) {
-            0..=3 => enqueue(&world, w, &mut conn, &mut rng).await,
+            0..=3 => enqueue(&world, w, &mut conn, &mut rng, None).await,
             4..=5 => claim_and_settle(&world, w, &store, &mut rng).await,
             6..=7 => hold(&world, w, &store, &mut rng).await,
             _ => other(&world, w, &store, &mut conn, &mut rng).await,
@@ -331,8 +373,10 @@ async fn drain(world: &World, store: &Store, db: &TestDb) {
     loop {
         db.exec(
             "UPDATE postbox.messages SET run_at = now() WHERE state = 'scheduled';
-             UPDATE postbox.messages SET locked_until = now() - interval '1 second' WHERE state = 'running'",
+             UPDATE postbox.messages SET locked_until = now() - interval '1 second'
+             WHERE state = 'running' AND lease_token <> 0",
         );
+        let _ = store.finish_heads().await;
         let _ = store.lost_holds().await;
         let _ = store.rescue_expired().await;
         let _ = store.promote_due().await;
@@ -375,7 +419,7 @@ async fn random_interleavings_keep_every_invariant() {
     store.prepare_completed().await.unwrap();
     let world = Arc::new(World::default());
     let until = Instant::now() + Duration::from_secs(secs);
-    let workers: Vec<_> = (0..4)
+    let workers: Vec<_> = (0..=LINGERING_WRITER)
         .map(|w| {
             tokio::spawn(worker(
                 world.clone(),

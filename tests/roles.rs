@@ -307,6 +307,205 @@ fn a_writer_cannot_keep_an_early_id_to_jump_ahead_of_its_key() {
     assert_eq!(got[1].1, "waiting", "{got:?}");
 }
 
+/// A writer role holds its transaction open after writing ordered messages (its checks run at
+/// once, `SET CONSTRAINTS ALL IMMEDIATE`) and takes every advisory lock postbox ever used by
+/// hand: the relay's settles of other keys neither wait (its connections give up on a lock after
+/// 200 ms) nor fail, and the other keys go on. Its own key waits for its commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_role_holds_up_no_settle_and_no_other_key() {
+    let (server, db) = setup();
+    // Keys of every slot the old promotion locks had, two messages each.
+    postbox::enqueue_many(
+        &mut db.conn(),
+        &(0..600)
+            .flat_map(|i| {
+                let m = Message::new("orders").key(format!("k{i}")).ordered();
+                [m.clone(), m]
+            })
+            .chain([Message::new("app").key("mine").ordered()])
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let mut app = PgConnection::establish(&as_role(&server, "app", "postbox")).unwrap();
+    app.batch_execute(
+        "BEGIN;
+         INSERT INTO postbox.messages (topic, key, ordered) VALUES ('app', 'mine', true), ('app', 'mine', true);
+         SET CONSTRAINTS ALL IMMEDIATE;
+         SELECT pg_advisory_lock(c, s) FROM generate_series(1886352244, 1886352247) c,
+                                             generate_series(0, 255) s;",
+    )
+    .unwrap();
+    // What a writer cannot do: lock a message row itself.
+    let mut other = PgConnection::establish(&as_role(&server, "app", "postbox")).unwrap();
+    refused(
+        &mut other,
+        "SELECT id FROM postbox.messages WHERE key = 'k1' FOR KEY SHARE",
+    );
+
+    let relay = format!(
+        "{}?options=-c%20lock_timeout%3D200",
+        as_role(&server, "relayer", "postbox")
+    );
+    let store = postbox::Store::connect(&relay, 4).await.unwrap();
+    let topics = postbox::Topics::exact(["orders"]);
+    let lease = std::time::Duration::from_secs(30);
+    // Leased and completed, held and settled: 1,200 messages, each key's second after its first.
+    let mut delivered = 0;
+    while delivered < 1200 {
+        let got = store.claim(200, lease, &topics).await.unwrap();
+        assert!(
+            !got.is_empty(),
+            "{delivered} delivered, then nothing claimable"
+        );
+        let leases: Vec<_> = got.iter().map(|m| m.lease()).collect();
+        let done = store.complete(&leases).await.unwrap();
+        assert_eq!(done.done.len(), got.len());
+        delivered += got.len();
+        if let Some(hold) = store
+            .take(200, std::time::Duration::from_secs(5), &topics, None, 0)
+            .await
+            .unwrap()
+        {
+            store.register_hold(&hold).await.unwrap();
+            let ids: Vec<i64> = hold.messages.iter().map(|m| m.id).collect();
+            let (ended, _) = store
+                .end_hold(hold, &ids, &[], lease, 0)
+                .await
+                .expect("a held batch ends whatever the writer holds");
+            delivered += ended.deleted;
+        }
+    }
+    assert!(store.check(10).await.unwrap().is_empty());
+    // The writer's own key: its head is delivered and kept until the writer is done.
+    let mine = store
+        .claim(10, lease, &postbox::Topics::exact(["app"]))
+        .await
+        .unwrap();
+    assert_eq!(mine.len(), 1);
+    store.complete(&[mine[0].lease()]).await.unwrap();
+    assert!(
+        store
+            .claim(10, lease, &postbox::Topics::exact(["app"]))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    app.batch_execute("COMMIT").unwrap();
+    store.finish_heads().await.unwrap();
+    let next = store
+        .claim(10, lease, &postbox::Topics::exact(["app"]))
+        .await
+        .unwrap();
+    assert_eq!(
+        next.len(),
+        1,
+        "the writer's first message is its key's head now"
+    );
+}
+
+/// An operator reached through a role it SETs (a login role without the operator's rights of
+/// its own, `options=-c role=…` as a pooler or `SET ROLE` gives): a replay of an ordered message
+/// keeps its id and its place, and its dead letter goes. Replayed again: nothing to replay.
+#[test]
+fn an_operator_reached_by_set_role_replays_in_place() {
+    let (server, db) = setup();
+    db.exec("CREATE ROLE jump LOGIN NOINHERIT IN ROLE postbox_operator");
+    let ids = postbox::enqueue_many(
+        &mut db.conn(),
+        &(0..3)
+            .map(|_| Message::new("acct").key("k").ordered())
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let first = ids[0].id().unwrap();
+    let mut owner = db.conn();
+    // The first message to the dead letters, the key's head passes to the second.
+    owner
+        .batch_execute(&format!(
+            "INSERT INTO postbox.dead_letters (id, topic, key, ordered, payload, headers, priority, attempts, max_attempts, created_at, reason)
+             SELECT id, topic, key, ordered, payload, headers, priority, attempts, max_attempts, created_at, 'refused'
+             FROM postbox.messages WHERE id = {first};
+             DELETE FROM postbox.messages WHERE id = {first};"
+        ))
+        .unwrap();
+    let url = format!(
+        "{}?options=-c%20role%3Dpostbox_operator",
+        as_role(&server, "jump", "postbox")
+    );
+    let mut jump = PgConnection::establish(&url).unwrap();
+    assert_eq!(
+        scalar(
+            &mut jump,
+            "SELECT (session_user = 'jump' AND current_user = 'postbox_operator')::int::bigint AS v"
+        ),
+        1
+    );
+    let text = ok(&postbox(
+        &url,
+        &["dead", "replay", "--id", &first.to_string()],
+    ));
+    assert!(text.contains("replayed 1"), "{text}");
+    assert_eq!(
+        scalar(&mut owner, "SELECT count(*) AS v FROM postbox.dead_letters"),
+        0
+    );
+    assert_eq!(
+        scalar(
+            &mut owner,
+            &format!(
+                "SELECT count(*) AS v FROM postbox.messages WHERE id = {first} AND state = 'available'"
+            )
+        ),
+        1,
+        "the replayed message is its key's head again, under its own id"
+    );
+    assert_eq!(
+        scalar(&mut owner, "SELECT count(*) AS v FROM postbox.messages"),
+        3
+    );
+    // SET ROLE by hand in a session of the login role: the same.
+    owner
+        .batch_execute(&format!(
+            "INSERT INTO postbox.dead_letters (id, topic, key, ordered, payload, headers, priority, attempts, max_attempts, created_at, reason)
+             SELECT id, topic, key, ordered, payload, headers, priority, attempts, max_attempts, created_at, 'refused'
+             FROM postbox.messages WHERE id = {first};
+             DELETE FROM postbox.messages WHERE id = {first};
+             SELECT postbox.promote_after(ARRAY['acct'], ARRAY['k'], ARRAY[{first}::bigint]);"
+        ))
+        .unwrap();
+    let mut by_hand = PgConnection::establish(&as_role(&server, "jump", "postbox")).unwrap();
+    by_hand
+        .batch_execute(&format!(
+            "SET ROLE postbox_operator;
+             BEGIN;
+             SET LOCAL postbox.keep_ids = on;
+             INSERT INTO postbox.messages (id, topic, key, ordered, payload, headers, priority, max_attempts, created_at)
+             OVERRIDING SYSTEM VALUE
+             SELECT id, topic, key, ordered, payload, headers, priority, max_attempts, created_at
+             FROM postbox.dead_letters WHERE id = {first};
+             DELETE FROM postbox.dead_letters WHERE id = {first};
+             COMMIT;"
+        ))
+        .unwrap();
+    assert_eq!(
+        scalar(
+            &mut owner,
+            &format!(
+                "SELECT count(*) AS v FROM postbox.messages WHERE id = {first} AND state = 'available'"
+            )
+        ),
+        1
+    );
+    assert_eq!(
+        scalar(
+            &mut owner,
+            "SELECT count(*) AS v FROM postbox.messages WHERE state <> 'waiting'"
+        ),
+        1,
+        "one head"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_delivers_and_keeps_retention_without_owning_the_schema() {
     let (server, db) = setup();

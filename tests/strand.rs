@@ -185,9 +185,9 @@ async fn a_replay_that_loses_its_dedup_key_changes_nothing() {
 }
 
 /// A running, X cancelled into the dead letters, B waiting. The replay of X goes in (waiting
-/// behind A) and waits before its commit; A is settled and hands over to B meanwhile. `started`:
-/// B is claimed before X commits. Returns (store, x, b).
-async fn replay_racing_a_settle(db: &TestDb, started: bool) -> (Store, i64, i64, Vec<i64>) {
+/// behind A, which it pins) and waits before its commit; A is settled meanwhile: kept as its
+/// key's head (the replay is a writer of the key), B not promoted. Returns (store, x, b).
+async fn replay_racing_a_settle(db: &TestDb) -> (Store, i64, i64) {
     let store = db.store().await;
     let ids = enqueue(db, vec![ord("k"), ord("k"), ord("k")]);
     let (a, x, b) = (ids[0], ids[1], ids[2]);
@@ -199,52 +199,55 @@ async fn replay_racing_a_settle(db: &TestDb, started: bool) -> (Store, i64, i64,
     let replay = tokio::spawn(async move { s.dead_replay(&DeadSelector::Ids(vec![x])).await });
     blocked(db, "advisory", 1).await;
     store.complete(&[head[0].lease()]).await.unwrap();
-    let mut running = Vec::new();
-    if started {
-        let got = store.claim(10, LEASE, &topics()).await.unwrap();
-        assert_eq!(got.iter().map(|m| m.id).collect::<Vec<_>>(), [b]);
-        running.push(got[0].lease().token);
-    }
+    // The key waits for the replay: nothing of it is claimable, B is not promoted past X.
+    assert!(claim_ids(&store).await.is_empty());
+    assert_clean(&store).await;
     gate.open();
     assert_eq!(replay.await.unwrap().unwrap().replayed, [x]);
     assert_clean(&store).await;
-    (store, x, b, running)
+    (store, x, b)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replay_committing_while_the_head_is_settled_goes_in_front_of_a_head_not_started() {
+async fn a_replay_committing_while_the_head_is_settled_goes_in_front_of_the_next() {
     let db = TestDb::migrated();
-    let (store, x, b, _) = replay_racing_a_settle(&db, false).await;
+    let (store, x, b) = replay_racing_a_settle(&db).await;
     // As if the replay had committed first: X before B.
     deliver(&store, x).await;
     assert_clean(&store).await;
     deliver(&store, b).await;
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.behind"), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replay_committing_behind_a_started_head_is_delivered_right_after_it() {
+async fn a_replay_of_a_key_whose_next_started_stays_dead_until_it_is_settled() {
     let db = TestDb::migrated();
-    let (store, x, b, token) = replay_racing_a_settle(&db, true).await;
-    assert_eq!(
-        db.scalar(&format!(
-            "SELECT count(*) AS v FROM postbox.behind WHERE id = {x}"
-        )),
-        1,
-        "marked behind the running head"
-    );
-    let more = enqueue(&db, vec![ord("k")])[0];
-    store
-        .complete(&[postbox::Lease {
-            id: b,
-            token: token[0],
-        }])
+    let store = db.store().await;
+    let ids = enqueue(&db, vec![ord("k"), ord("k"), ord("k")]);
+    let (a, x, b) = (ids[0], ids[1], ids[2]);
+    let head = store.claim(10, LEASE, &topics()).await.unwrap();
+    store.cancel(&CancelSelector::Ids(vec![x])).await.unwrap();
+    store.complete(&[head[0].lease()]).await.unwrap();
+    assert_eq!(head[0].id, a);
+    let started = store.claim(10, LEASE, &topics()).await.unwrap();
+    assert_eq!(started[0].id, b);
+    // B runs: X, older, cannot go in front of it, nor behind it (it would pass B's successors).
+    let r = store
+        .dead_replay(&DeadSelector::Ids(vec![x]))
         .await
         .unwrap();
-    // X, older than the message enqueued meanwhile, goes first.
+    assert_eq!((r.replayed, r.skipped), (vec![], vec![x]));
+    let more = enqueue(&db, vec![ord("k")])[0];
+    store.complete(&[started[0].lease()]).await.unwrap();
+    // Once B is settled, the replay goes in front of what came after.
+    let r = store
+        .dead_replay(&DeadSelector::Ids(vec![x]))
+        .await
+        .unwrap();
+    assert_eq!(r.replayed, [x]);
     deliver(&store, x).await;
     deliver(&store, more).await;
-    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.behind"), 0);
     assert_clean(&store).await;
 }
 
@@ -291,11 +294,11 @@ async fn a_server_defaulting_to_repeatable_read_keeps_limits_and_keys() {
     let msgs: Vec<Message> = (0..4).map(|_| Message::new("lim")).collect();
     postbox::enqueue_many(&mut app, &msgs).unwrap();
 
-    // Two claims wait for the limit's lock; the second must see what the first claimed.
+    // Two claims wait for the limit's turn; the second must see what the first claimed.
     let mut holder = db.conn();
     holder
         .batch_execute(&format!(
-            "SELECT pg_advisory_lock(1886352246, hashtext('{}'))",
+            "BEGIN; SELECT postbox.take_turn('limit:{}')",
             limit.name().replace('\'', "''")
         ))
         .unwrap();
@@ -308,13 +311,8 @@ async fn a_server_defaulting_to_repeatable_read_keeps_limits_and_keys() {
             })
         })
         .collect();
-    blocked(&db, "advisory", 2).await;
-    holder
-        .batch_execute(&format!(
-            "SELECT pg_advisory_unlock(1886352246, hashtext('{}'))",
-            limit.name().replace('\'', "''")
-        ))
-        .unwrap();
+    blocked(&db, "row", 2).await;
+    holder.batch_execute("COMMIT").unwrap();
     let mut claimed = 0;
     for c in claims {
         claimed += c.await.unwrap().unwrap().len();
@@ -444,13 +442,7 @@ async fn a_replay_commit_does_not_wait_for_a_held_head_and_goes_behind_it() {
     let head = store.claim(10, LEASE, &topics()).await.unwrap();
     assert_eq!(head[0].id, a);
     store.cancel(&CancelSelector::Ids(vec![r])).await.unwrap();
-
-    // R's replay is in (waiting behind A), held before its commit; A is settled (M is the head)
-    // and a held batch takes M.
-    let gate = Gate::on(&db, "postbox.dead_letters", "DELETE");
-    let s = store.clone();
-    let replay = tokio::spawn(async move { s.dead_replay(&DeadSelector::Ids(vec![r])).await });
-    blocked(&db, "advisory", 1).await;
+    // A is settled (M is the head) and a held batch takes M.
     store.complete(&[head[0].lease()]).await.unwrap();
     let hold = store
         .take(10, Duration::from_secs(30), &topics(), None, 0)
@@ -459,7 +451,13 @@ async fn a_replay_commit_does_not_wait_for_a_held_head_and_goes_behind_it() {
         .unwrap();
     store.register_hold(&hold).await.unwrap();
     assert_eq!(hold.messages.iter().map(|m| m.id).collect::<Vec<_>>(), [m]);
-    // The replay commits while the hold is open: it does not wait for the held head.
+
+    // R's replay goes in behind the held head (it is starting), held before its commit; then it
+    // commits while the hold is open: it does not wait for the held head.
+    let gate = Gate::on(&db, "postbox.dead_letters", "DELETE");
+    let s = store.clone();
+    let replay = tokio::spawn(async move { s.dead_replay(&DeadSelector::Ids(vec![r])).await });
+    blocked(&db, "advisory", 1).await;
     gate.open();
     let report = tokio::time::timeout(Duration::from_secs(20), replay)
         .await

@@ -1072,7 +1072,7 @@ fn schedules_limits_enqueue_cancel_and_picked_dead_letters() {
         let mut holder = db.conn();
         holder
             .batch_execute(&format!(
-                "BEGIN; SELECT id FROM postbox.messages WHERE id = {head} FOR UPDATE"
+                "BEGIN; SELECT id FROM postbox.messages WHERE id = {head} FOR NO KEY UPDATE"
             ))
             .unwrap();
         let (code, body) = ui.post("/dead/pick", &auth, &format!("action=replay&id={older}"));

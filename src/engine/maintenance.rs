@@ -78,8 +78,20 @@ impl Rescuer {
                 break;
             }
         }
-        // After the rescues, and never in their way: a repair that fails (a key's promotion lock
-        // busy past its wait) is tried again next tick.
+        // Heads kept for writers that are done by now, whoever kept them (a relay that kept one
+        // finishes it itself after its next wake-up; this is for those that died meanwhile).
+        match self.store.finish_heads().await {
+            Ok(f) if f.finished > 0 => {
+                tracing::debug!(
+                    finished = f.finished,
+                    "finished heads kept for their writers"
+                )
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "finishing kept heads failed"),
+        }
+        // After the rescues, and never in their way: a repair that fails is tried again next
+        // tick.
         match self.store.repair(REPAIR_BATCH).await {
             Ok(repaired) if !repaired.is_empty() => {
                 for k in &repaired {

@@ -28,16 +28,22 @@ pub struct Cancelled {
     pub running: usize,
 }
 
-/// The messages chosen, locked (a held batch that has them is waited for: at most its hold limit).
+/// The messages chosen, locked (a held batch that has them is waited for: at most its hold
+/// limit; a writer's pin on a head is not: see the migration `head_pins`).
 const CHOOSE: &str = "SELECT id FROM postbox.messages
 WHERE id = ANY($1::bigint[]) OR ($2::text IS NOT NULL AND topic = $2)
-ORDER BY id FOR UPDATE";
+ORDER BY id FOR NO KEY UPDATE";
 
-/// Those not running, to the dead letters; the heads among them, for the promotion of their keys.
-const BURY: &str = "WITH gone AS (
-    DELETE FROM postbox.messages m WHERE m.id = ANY($1::bigint[]) AND m.state <> 'running'
-    RETURNING m.*
-),
+/// Those not running, to the dead letters; the heads among them (not kept for a writer of their
+/// key), for the promotion of their keys.
+const BURY: &str = concat!(
+    "WITH ",
+    take_out_cte!(
+        "gone",
+        "ARRAY(SELECT id FROM postbox.messages WHERE id = ANY($1::bigint[]) AND state <> 'running' ORDER BY id)",
+        "NULL::bigint[]"
+    ),
+    ",
 buried AS (
     INSERT INTO postbox.dead_letters (id, topic, key, ordered, payload, headers, priority, attempts,
         max_attempts, created_at, dedup_key, first_error, last_error, reason)
@@ -46,16 +52,18 @@ buried AS (
     FROM gone
     RETURNING id
 )
-SELECT (SELECT count(*) FROM buried) AS n,
-       array_agg(topic) FILTER (WHERE ordered AND state <> 'waiting') AS topics,
-       array_agg(key) FILTER (WHERE ordered AND state <> 'waiting') AS keys,
-       array_agg(id) FILTER (WHERE ordered AND state <> 'waiting') AS ids
-FROM gone";
+SELECT (SELECT count(*) FROM buried) AS n, count(*) FILTER (WHERE kept) AS kept,
+       array_agg(topic) FILTER (WHERE ordered AND state <> 'waiting' AND NOT kept) AS topics,
+       array_agg(key) FILTER (WHERE ordered AND state <> 'waiting' AND NOT kept) AS keys,
+       array_agg(id) FILTER (WHERE ordered AND state <> 'waiting' AND NOT kept) AS ids
+FROM gone"
+);
 
 const PROMOTE: &str = "SELECT postbox.promote_after($1, $2, $3) AS n";
 
+/// (Not a head kept for a writer of its key: it is delivered.)
 const MARK_RUNNING: &str = "UPDATE postbox.messages SET cancelled = true
-WHERE id = ANY($1::bigint[]) AND state = 'running' RETURNING id";
+WHERE id = ANY($1::bigint[]) AND state = 'running' AND lease_token <> 0 RETURNING id";
 
 #[derive(QueryableByName)]
 struct Id {
@@ -67,6 +75,8 @@ struct Id {
 struct Buried {
     #[diesel(sql_type = BigInt)]
     n: i64,
+    #[diesel(sql_type = BigInt)]
+    kept: i64,
     #[diesel(sql_type = Nullable<Array<Text>>)]
     topics: Option<Vec<String>>,
     #[diesel(sql_type = Nullable<Array<Text>>)]
@@ -112,6 +122,7 @@ impl Store {
                     .bind::<Array<BigInt>, _>(&chosen)
                     .get_result(conn)
                     .await?;
+                self.note_kept(buried.kept);
                 if let (Some(t), Some(k), Some(i)) = (buried.topics, buried.keys, buried.ids) {
                     diesel::sql_query(PROMOTE)
                         .bind::<Array<Text>, _>(t)

@@ -52,8 +52,7 @@ const STRANDED: &str = "SELECT topic, key FROM postbox.stranded_keys($1)";
 const STALE_MARKS: &str = "DELETE FROM postbox.behind b WHERE NOT EXISTS
     (SELECT 1 FROM postbox.messages m WHERE m.id = b.id AND m.state = 'waiting')";
 
-/// The writers' promotion of the keys (exclusive on their promotion locks): a key that has a head
-/// by now is left alone.
+/// The promotion of keys without a head: a key that has a head by now is left alone.
 const PROMOTE: &str = "SELECT count(*) FROM postbox.promote_keys($1, $2, NULL, true, 0, 1, 0, '')";
 
 impl Store {

@@ -356,9 +356,10 @@ impl Store {
                 problem: "must be greater than zero".into(),
             });
         }
+        self.finish_before_claim().await;
         let mut conn = self.conn().await?;
         let batch = i32::try_from(batch).unwrap_or(i32::MAX);
-        let token = fastrand::i64(..);
+        let token = super::new_token();
         if let Some(topic) = topics.single() {
             let mut rows: Vec<ClaimedMessage> = diesel::sql_query(CLAIM_ONE)
                 .bind::<Text, _>(topic)

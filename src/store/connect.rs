@@ -51,7 +51,23 @@ fn with_network_defaults(url: &str) -> String {
         return url.to_owned();
     }
     parsed.query_pairs_mut().extend_pairs(missing);
-    parsed.into()
+    spaces_as_percent(parsed)
+}
+
+/// `url` as a string whose query writes a space as `%20`: rewriting a query (above) encodes one
+/// as `+`, which the PostgreSQL client reads as a `+` (`options=-c lock_timeout=200` would reach
+/// the server as `-c+lock_timeout=200`, and the connection be refused). A `+` of the value itself
+/// was encoded as `%2B`: every `+` left is a space.
+fn spaces_as_percent(url: url::Url) -> String {
+    match url.query() {
+        Some(q) if q.contains('+') => {
+            let q = q.replace('+', "%20");
+            let mut url = url;
+            url.set_query(Some(&q));
+            url.into()
+        }
+        _ => url.into(),
+    }
 }
 
 /// How the URL asks for TLS (`sslmode`), as libpq means it.
@@ -116,7 +132,7 @@ pub fn tls_mode(url: &str) -> Result<(TlsMode, String), String> {
             ));
         }
     };
-    Ok((mode, parsed.into()))
+    Ok((mode, spaces_as_percent(parsed)))
 }
 
 /// `url` with `sslmode` from the environment's `PGSSLMODE` (as libpq reads it) when the URL has
@@ -138,7 +154,7 @@ fn add_sslmode(url: &str, mode: &str) -> String {
         return url.to_owned();
     }
     parsed.query_pairs_mut().append_pair("sslmode", mode);
-    parsed.into()
+    spaces_as_percent(parsed)
 }
 
 /// Opens one connection, over TLS when the URL's `sslmode` asks for it.
@@ -374,6 +390,21 @@ mod tests {
         assert_eq!(
             with_network_defaults("host=h dbname=db"),
             "host=h dbname=db"
+        );
+    }
+
+    #[test]
+    fn a_space_in_an_option_stays_a_space_when_the_query_is_rewritten() {
+        // As the server must read it: `-c lock_timeout=200`, a `+` of a value kept as `%2B`.
+        assert_eq!(
+            with_network_defaults(
+                "postgres://h/db?options=-c%20lock_timeout%3D200&application_name=a%2Bb"
+            ),
+            "postgres://h/db?options=-c%20lock_timeout%3D200&application_name=a%2Bb&connect_timeout=10&keepalives_idle=30&keepalives_interval=10&keepalives_retries=3&tcp_user_timeout=60"
+        );
+        assert_eq!(
+            tls_mode("postgres://h/db?sslmode=disable&options=-c%20x%3D1").unwrap(),
+            (TlsMode::Off, "postgres://h/db?options=-c%20x%3D1".into())
         );
     }
 

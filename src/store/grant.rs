@@ -114,6 +114,11 @@ pub const TABLES: &[TableAccess] = &[
         operator: READ,
     },
     TableAccess {
+        table: "turns",
+        relay: ALL_DML,
+        operator: READ,
+    },
+    TableAccess {
         table: "stream_slots",
         relay: ALL_DML,
         operator: ALL_DML,

@@ -36,14 +36,14 @@ macro_rules! take_columns {
 /// the function's result set is not materialised.
 pub(super) const TAKE_ONE: &str = concat!(
     take_columns!(),
-    "postbox.messages WHERE state = 'available' AND topic = $3 ORDER BY priority, id LIMIT $4 FOR UPDATE SKIP LOCKED"
+    "postbox.messages WHERE state = 'available' AND topic = $3 ORDER BY priority, id LIMIT $4 FOR NO KEY UPDATE SKIP LOCKED"
 );
 
 /// [`TAKE_ONE`] after a position (see `postbox.take_topic`).
 const TAKE_ONE_AFTER: &str = concat!(
     take_columns!(),
     "postbox.messages WHERE state = 'available' AND topic = $3 AND (priority, id) > ($5, $6)
-     ORDER BY priority, id LIMIT $4 FOR UPDATE SKIP LOCKED"
+     ORDER BY priority, id LIMIT $4 FOR NO KEY UPDATE SKIP LOCKED"
 );
 
 /// The planner settings of the claim functions, for the transaction of a hold (one round trip
@@ -83,7 +83,7 @@ locked AS (
     -- 2 ms for 100 heads in a freshly filled table of 20,000 ordered messages).
     SELECT m.* FROM postbox.messages m
     WHERE m.id = ANY(ARRAY(SELECT id FROM cand WHERE due)) AND m.state::text = 'waiting'
-    FOR UPDATE SKIP LOCKED
+    FOR NO KEY UPDATE SKIP LOCKED
 )
 ",
     take_columns!(", cand.chain, cand.place"),
@@ -108,23 +108,22 @@ pub const HOLD_GRACE: Duration = Duration::from_secs(2);
 /// second form also copies the delivered messages into `postbox.completed` (sink $8; a held
 /// message's attempt is not in its row yet).
 macro_rules! settle_sql {
-    ($returning:literal, $archive:literal) => {
+    ($archive:literal) => {
         concat!(
             r#"
-WITH gone AS (
-    DELETE FROM postbox.messages m WHERE m.id = ANY($1::bigint[])
-    RETURNING m.id, m.topic, m.key, m.ordered, m.state"#,
-            $returning,
-            r#"
-),"#,
+WITH "#,
+            take_out_cte!("gone", "$1::bigint[]", "NULL::bigint[]"),
+            r#","#,
             $archive,
             r#"
 heads AS (
-    -- Each key's first delivered message: where the search for its next one starts.
+    -- Each key's first delivered message: where the search for its next one starts. A key whose
+    -- head is kept for a writer of the key still has it: nothing to promote.
     SELECT array_agg(topic) AS topics, array_agg(key) AS keys, array_agg(first) AS ids
     FROM (SELECT topic, key, min(id) AS first FROM gone
           WHERE ordered AND (topic, key) IN (SELECT topic, key FROM gone WHERE id = ANY($7::bigint[]))
-          GROUP BY topic, key) k
+          GROUP BY topic, key
+          HAVING NOT bool_or(kept)) k
 ),
 handed AS (
     SELECT h.* FROM heads, postbox.hand_over(heads.topics, heads.keys, heads.ids, $6,
@@ -142,22 +141,21 @@ unregistered AS (
     DELETE FROM postbox.holds WHERE xid = pg_current_xact_id() RETURNING xid
 )
 SELECT NULL::bigint AS deleted, NULL::bigint AS leased, NULL::bool AS unregistered,
-       id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
+       NULL::bigint AS kept, id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
        created_at, locked_until, lease_token, last_error, dedup_key
 FROM handed
 UNION ALL
 SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM leased),
-       (SELECT count(*) FROM unregistered) = 1,
+       (SELECT count(*) FROM unregistered) = 1, (SELECT count(*) FROM gone WHERE kept),
        0, '', NULL, false, 'null', '{}', 0::smallint, now(), 0, 0, now(), now(), 0::bigint, NULL, NULL
 "#
         )
     };
 }
 
-pub(super) const SETTLE: &str = settle_sql!("", "");
+pub(super) const SETTLE: &str = settle_sql!("");
 
 const SETTLE_KEEP: &str = settle_sql!(
-    ", m.payload, m.headers, m.attempts, m.created_at",
     r#"
 archived AS (
     INSERT INTO postbox.completed (id, topic, key, payload, headers, attempts, created_at,
@@ -243,6 +241,9 @@ struct SettleRow {
     leased: Option<i64>,
     #[diesel(sql_type = Nullable<Bool>)]
     unregistered: Option<bool>,
+    /// Heads kept for a writer of their key (see the migration `head_pins`).
+    #[diesel(sql_type = Nullable<BigInt>)]
+    kept: Option<i64>,
     #[diesel(embed)]
     message: ClaimedMessage,
 }
@@ -276,13 +277,14 @@ impl Store {
         if batch == 0 || topics.is_empty() {
             return Ok(None);
         }
+        self.finish_before_claim().await;
         let mut conn = self
             .pool
             .get_owned()
             .await
             .map_err(|e| Error::Pool(e.to_string()))?;
         let batch = i32::try_from(batch).unwrap_or(i32::MAX);
-        let token = fastrand::i64(..);
+        let token = super::new_token();
         AnsiTransactionManager::begin_transaction_sql(&mut *conn, &begin_take(limit)).await?;
         let rows: Vec<HeldRow> = if let Some(topic) = topics.single() {
             match after {
@@ -424,10 +426,14 @@ impl Store {
             }
         };
         let mut summary = (0, 0, false);
+        let mut kept = 0;
         let mut handed = Vec::new();
         for row in rows {
             match (row.deleted, row.leased, row.unregistered) {
-                (Some(d), Some(l), Some(u)) => summary = (d, l, u),
+                (Some(d), Some(l), Some(u)) => {
+                    summary = (d, l, u);
+                    kept = row.kept.unwrap_or(0);
+                }
                 _ => handed.push(row.message),
             }
         }
@@ -442,6 +448,7 @@ impl Store {
             });
         }
         AnsiTransactionManager::commit_transaction(conn).await?;
+        self.note_kept(kept);
         Ok((
             HoldEnded {
                 deleted: deleted as usize,

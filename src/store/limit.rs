@@ -1,6 +1,6 @@
 //! Running limits: claims that keep the running messages of some topics at or under a maximum,
-//! across every relay (`postbox.claim_limited`: claims of one limit take turns on an advisory
-//! lock and count what is running first).
+//! across every relay (`postbox.claim_limited`: claims of one limit take turns on its row of
+//! `postbox.turns` and count what is running first).
 
 use std::time::Duration;
 
@@ -119,6 +119,7 @@ impl Store {
         if batch == 0 || topics.is_empty() {
             return Ok(Vec::new());
         }
+        self.finish_before_claim().await;
         let mut conn = self.conn().await?;
         let l = &limit.topics;
         let mut rows: Vec<ClaimedMessage> = diesel::sql_query(CLAIM_LIMITED)
@@ -135,7 +136,7 @@ impl Store {
             .bind::<Array<Text>, _>(&topics.like)
             .bind::<Array<Text>, _>(&topics.not_exact)
             .bind::<Array<Text>, _>(&topics.not_like)
-            .bind::<BigInt, _>(fastrand::i64(..))
+            .bind::<BigInt, _>(super::new_token())
             .bind::<Text, _>(&*self.owner)
             .load(&mut conn)
             .await?;

@@ -6,6 +6,103 @@
 
 pub mod migrate;
 
+/// The CTEs that take messages out of the queue for good (delivered, dead-lettered, cancelled),
+/// ending in `$name`: every column of each message as it was, and `kept`. `$ids`, `$tokens`: the
+/// messages and their leases (`NULL::bigint[]` for rows the statement has locked itself: a held
+/// batch's, a cancel's, a rescue's). They are deleted, except an ordered head whose row a writer of
+/// its key pins (`FOR KEY SHARE`, see the migration `head_pins`): tried `FOR UPDATE SKIP LOCKED`,
+/// never waited for, it is kept in place as a delivered head (running, lease token 0, locked until
+/// `postbox.kept_head_lease()`, `kept` true) and its key promotes nothing past it until
+/// `postbox.finish_heads` takes it out. The caller promotes after the heads not kept.
+macro_rules! take_out_cte {
+    ($name:literal, $ids:literal, $tokens:literal) => {
+        concat!(
+            $name,
+            "_input AS (SELECT * FROM unnest(",
+            $ids,
+            ", ",
+            $tokens,
+            ") AS i(id, token)),
+",
+            $name,
+            "_free AS (
+    SELECT m.id FROM postbox.messages m JOIN ",
+            $name,
+            "_input i ON i.id = m.id
+    WHERE m.id = ANY(ARRAY(SELECT id FROM ",
+            $name,
+            "_input)) AND (i.token IS NULL OR m.lease_token = i.token)
+      AND m.ordered AND m.state <> 'waiting'
+    FOR UPDATE OF m SKIP LOCKED
+),
+",
+            $name,
+            "_deleted AS (
+    DELETE FROM postbox.messages m USING ",
+            $name,
+            "_input i
+    WHERE m.id = ANY(ARRAY(SELECT id FROM ",
+            $name,
+            "_input)) AND m.id = i.id
+      AND (i.token IS NULL OR m.lease_token = i.token)
+      AND (NOT m.ordered OR m.state = 'waiting' OR m.id IN (SELECT id FROM ",
+            $name,
+            "_free))
+    RETURNING m.*
+),
+",
+            $name,
+            "_pinned AS (
+    SELECT m.* FROM postbox.messages m JOIN ",
+            $name,
+            "_input i ON i.id = m.id
+    WHERE m.id = ANY(ARRAY(SELECT id FROM ",
+            $name,
+            "_input)) AND (i.token IS NULL OR m.lease_token = i.token)
+      AND m.ordered AND m.state <> 'waiting' AND m.id NOT IN (SELECT id FROM ",
+            $name,
+            "_free)
+    FOR NO KEY UPDATE OF m
+),
+",
+            $name,
+            "_marked AS (
+    UPDATE postbox.messages m
+    SET state = 'running', lease_token = 0, locked_until = postbox.kept_head_lease(),
+        locked_by = 'postbox: delivered; kept as its key''s head until its writer is done',
+        first_error = NULL, last_error = NULL
+    FROM ",
+            $name,
+            "_pinned p WHERE m.id = p.id
+    RETURNING m.id
+),
+",
+            $name,
+            " AS (
+    SELECT d.*, false AS kept FROM ",
+            $name,
+            "_deleted d
+    UNION ALL
+    SELECT p.*, true AS kept FROM ",
+            $name,
+            "_pinned p
+)"
+        )
+    };
+}
+
+/// A new lease token: never 0, the token of a head kept for a writer of its key (see
+/// `take_out_cte!`).
+#[cfg(feature = "async")]
+fn new_token() -> i64 {
+    loop {
+        let t = fastrand::i64(..);
+        if t != 0 {
+            return t;
+        }
+    }
+}
+
 #[cfg(feature = "async")]
 pub mod browse;
 #[cfg(feature = "async")]
@@ -26,6 +123,8 @@ mod explain;
 pub mod grant;
 #[cfg(feature = "async")]
 mod hold;
+#[cfg(feature = "async")]
+mod kept;
 #[cfg(feature = "async")]
 mod lenient;
 #[cfg(feature = "async")]
@@ -55,6 +154,7 @@ pub use self::{
     dead::{DeadLetter, DeadSelector, ReplayReport},
     explain::SettleStatement,
     hold::{HOLD_GRACE, Hold, HoldEnded},
+    kept::{FINISH_BATCH, Finished},
     limit::Limit,
     listen::{listen, register_listener, still_running, unregister_listener},
     pause::unpaused,
@@ -107,6 +207,8 @@ mod pool {
         pub(crate) owner: Arc<str>,
         /// Keeps delivered messages in `postbox.completed`, naming this sink.
         pub(crate) archive: Option<Arc<str>>,
+        /// Heads this store kept for their writers (see the migration `head_pins`).
+        pub(crate) kept: Arc<super::kept::KeptHeads>,
     }
 
     impl std::fmt::Debug for Store {
@@ -128,6 +230,7 @@ mod pool {
                 backoff: Backoff::default(),
                 owner: format!("{host}:{}", std::process::id()).into(),
                 archive: None,
+                kept: super::kept::new_kept(),
             }
         }
 

@@ -81,6 +81,9 @@ struct CompleteRow {
     /// Set on the last row only.
     #[diesel(sql_type = Nullable<Array<BigInt>>)]
     done: Option<Vec<i64>>,
+    /// Set on the last row only: heads kept for a writer of their key.
+    #[diesel(sql_type = Nullable<BigInt>)]
+    kept: Option<i64>,
     #[diesel(embed)]
     message: ClaimedMessage,
 }
@@ -91,18 +94,31 @@ struct IdDeadRow {
     id: i64,
     #[diesel(sql_type = Bool)]
     dead: bool,
+    /// A head kept for a writer of its key (see the migration `head_pins`).
+    #[diesel(sql_type = Bool)]
+    kept: bool,
 }
 
-/// The removed heads of ordered keys (in a CTE `$from` of removed rows) promote the next message
-/// of their keys: one call for the whole statement, none when no head was removed (see `postbox.promote_after`; the session
-/// setting `postbox.promotes_heads = 'caller'` of the store's connections tells the delete trigger
-/// that it need not).
+/// A message taken out, and whether it is a head kept for a writer of its key.
+#[derive(QueryableByName)]
+struct IdKeptRow {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = Bool)]
+    kept: bool,
+}
+
+/// The removed heads of ordered keys (in a CTE `$from` of rows `take_out_cte!` took out) promote
+/// the next message of their keys: one call for the whole statement, none when no head was removed
+/// (see `postbox.promote_after`; the session setting `postbox.promotes_heads = 'caller'` of the
+/// store's connections tells the delete trigger that it need not). A head kept for a writer of its
+/// key promotes nothing: it is still its key's head (`postbox.finish_heads` promotes after it).
 macro_rules! promote_heads_cte {
     ($from:literal) => {
         concat!(
             "heads AS (SELECT CASE WHEN count(*) > 0 THEN postbox.promote_after(array_agg(topic), array_agg(key), array_agg(id)) END AS promoted FROM ",
             $from,
-            " WHERE ordered AND state <> 'waiting')"
+            " WHERE ordered AND state <> 'waiting' AND NOT kept)"
         )
     };
 }
@@ -113,41 +129,37 @@ macro_rules! promote_heads_cte {
 /// returns them, then one row whose `done` holds the ids deleted (its other columns are filler).
 /// The second form also copies them into `postbox.completed` (sink `$7`).
 macro_rules! complete_sql {
-    ($returning:literal, $archive:literal) => {
+    ($archive:literal) => {
         concat!(
             r#"
-WITH gone AS (
-    DELETE FROM postbox.messages m
-    USING unnest($1::bigint[], $2::bigint[]) AS d(id, token)
-    WHERE m.id = ANY($1::bigint[]) AND m.id = d.id AND m.lease_token = d.token
-    RETURNING m.id, m.topic, m.key, m.ordered, m.state"#,
-            $returning,
-            r#"
-),"#,
+WITH "#,
+            take_out_cte!("gone", "$1::bigint[]", "$2::bigint[]"),
+            r#","#,
             $archive,
             r#"
 heads AS (
     SELECT array_agg(topic) AS topics, array_agg(key) AS keys, array_agg(id) AS ids
-    FROM gone WHERE ordered AND state <> 'waiting'
+    FROM gone WHERE ordered AND state <> 'waiting' AND NOT kept
 ),
 handed AS (
     SELECT h.* FROM heads, postbox.hand_over(heads.topics, heads.keys, heads.ids, $3, $4, $5, $6) AS h
 )
-SELECT NULL::bigint[] AS done, id, topic, key, ordered, payload, headers, priority, run_at,
-       attempts, max_attempts, created_at, locked_until, lease_token, last_error, dedup_key
+SELECT NULL::bigint[] AS done, NULL::bigint AS kept, id, topic, key, ordered, payload, headers,
+       priority, run_at, attempts, max_attempts, created_at, locked_until, lease_token, last_error,
+       dedup_key
 FROM handed
 UNION ALL
-SELECT coalesce((SELECT array_agg(id) FROM gone), '{}'), 0, '', NULL, false, 'null', '{}',
-       0::smallint, now(), 0, 0, now(), now(), 0::bigint, NULL, NULL
+SELECT coalesce((SELECT array_agg(id) FROM gone), '{}'), (SELECT count(*) FROM gone WHERE kept),
+       0, '', NULL, false, 'null', '{}', 0::smallint, now(), 0, 0, now(), now(), 0::bigint, NULL,
+       NULL
 "#
         )
     };
 }
 
-pub(super) const COMPLETE: &str = complete_sql!("", "");
+pub(super) const COMPLETE: &str = complete_sql!("");
 
 pub(super) const COMPLETE_KEEP: &str = complete_sql!(
-    ", m.payload, m.headers, m.attempts, m.created_at, m.locked_by",
     r#"
 archived AS (
     INSERT INTO postbox.completed (id, topic, key, payload, headers, attempts, created_at,
@@ -189,11 +201,23 @@ WITH input AS (
     SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[], $4::float8[])
         AS i(id, token, error, delay_secs)
 ),
+locked AS (
+    -- Which way each goes is decided on the row as locked: a cancel that marked it meanwhile
+    -- (and held its lock) is seen.
+    SELECT m.id, i.token, i.error, i.delay_secs, m.attempts >= m.max_attempts OR m.cancelled AS ends
+    FROM postbox.messages m JOIN input i ON m.id = i.id
+    WHERE m.id = ANY($1::bigint[]) AND m.lease_token = i.token
+    FOR NO KEY UPDATE OF m
+),
+"#,
+    take_out_cte!(
+        "taken",
+        "ARRAY(SELECT id FROM locked WHERE ends ORDER BY id)",
+        "ARRAY(SELECT token FROM locked WHERE ends ORDER BY id)"
+    ),
+    r#",
 exhausted AS (
-    DELETE FROM postbox.messages m USING input i
-    WHERE m.id = ANY($1::bigint[]) AND m.id = i.id AND m.lease_token = i.token
-      AND (m.attempts >= m.max_attempts OR m.cancelled)
-    RETURNING m.*, i.error AS error
+    SELECT taken.*, l.error FROM taken JOIN locked l ON l.id = taken.id
 ),
 "#,
     promote_heads_cte!("exhausted"),
@@ -219,14 +243,13 @@ retried AS (
         run_at = now() + make_interval(secs => coalesce(i.delay_secs, "#,
     backoff_sql!("$5", "$6", "$7"),
     r#"))
-    FROM input i
-    WHERE m.id = ANY($1::bigint[]) AND m.id = i.id AND m.lease_token = i.token
-      AND m.attempts < m.max_attempts AND NOT m.cancelled
+    FROM locked i
+    WHERE m.id = ANY($1::bigint[]) AND m.id = i.id AND NOT i.ends
     RETURNING m.id
 )
-SELECT id, false AS dead FROM retried
+SELECT id, false AS dead, false AS kept FROM retried
 UNION ALL
-SELECT id, true AS dead FROM buried
+SELECT b.id, true AS dead, e.kept FROM buried b JOIN exhausted e ON e.id = b.id
 "#
 );
 
@@ -235,22 +258,26 @@ pub(super) const DEAD_LETTER: &str = concat!(
 WITH input AS (
     SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS i(id, token, reason)
 ),
+"#,
+    take_out_cte!("taken", "$1::bigint[]", "$2::bigint[]"),
+    r#",
 gone AS (
-    DELETE FROM postbox.messages m USING input i
-    WHERE m.id = ANY($1::bigint[]) AND m.id = i.id AND m.lease_token = i.token
-    RETURNING m.*, i.reason AS dead_reason
+    SELECT taken.*, i.reason AS dead_reason FROM taken JOIN input i ON i.id = taken.id
 ),
 "#,
     promote_heads_cte!("gone"),
-    r#"
-INSERT INTO postbox.dead_letters ("#,
+    r#",
+buried AS (
+    INSERT INTO postbox.dead_letters ("#,
     dead_columns!(),
     r#", first_error, last_error, reason)
-SELECT "#,
+    SELECT "#,
     dead_columns!(),
     r#", coalesce(first_error, dead_reason), dead_reason, dead_reason
-FROM gone, heads
-RETURNING id
+    FROM gone, heads
+    RETURNING id
+)
+SELECT b.id, g.kept FROM buried b JOIN gone g ON g.id = b.id
 "#
 );
 
@@ -261,18 +288,28 @@ pub(super) const RELEASE: &str = concat!(
 WITH input AS (
     SELECT * FROM unnest($1::bigint[], $2::bigint[]) AS d(id, token)
 ),
+locked AS (
+    -- Which way each goes is decided on the row as locked: a cancel that marked it meanwhile
+    -- (and held its lock) is seen.
+    SELECT m.id, d.token, m.cancelled
+    FROM postbox.messages m JOIN input d ON m.id = d.id
+    WHERE m.id = ANY($1::bigint[]) AND m.lease_token = d.token
+    FOR NO KEY UPDATE OF m
+),
 released AS (
     UPDATE postbox.messages m
     SET state = 'available', attempts = greatest(m.attempts - 1, 0), locked_until = NULL, lease_token = NULL, locked_by = NULL
-    FROM input d
-    WHERE m.id = ANY($1::bigint[]) AND m.id = d.id AND m.lease_token = d.token AND NOT m.cancelled
+    FROM locked d
+    WHERE m.id = ANY($1::bigint[]) AND m.id = d.id AND NOT d.cancelled
     RETURNING m.id
 ),
-gone AS (
-    DELETE FROM postbox.messages m USING input d
-    WHERE m.id = ANY($1::bigint[]) AND m.id = d.id AND m.lease_token = d.token AND m.cancelled
-    RETURNING m.*
-),
+"#,
+    take_out_cte!(
+        "gone",
+        "ARRAY(SELECT id FROM locked WHERE cancelled ORDER BY id)",
+        "ARRAY(SELECT token FROM locked WHERE cancelled ORDER BY id)"
+    ),
+    r#",
 "#,
     promote_heads_cte!("gone"),
     r#",
@@ -286,9 +323,9 @@ buried AS (
     FROM gone, heads
     RETURNING id
 )
-SELECT id FROM released
+SELECT id, false AS kept FROM released
 UNION ALL
-SELECT id FROM buried
+SELECT b.id, g.kept FROM buried b JOIN gone g ON g.id = b.id
 "#
 );
 
@@ -305,17 +342,20 @@ RETURNING m.id
 const RESCUE: &str = concat!(
     r#"
 WITH expired AS (
-    SELECT id FROM postbox.messages
-    WHERE state = 'running' AND locked_until < now()
+    SELECT id, attempts >= max_attempts OR cancelled AS ends FROM postbox.messages
+    -- (Not a head kept for a writer of its key: delivered, postbox.finish_heads takes it out.)
+    WHERE state = 'running' AND locked_until < now() AND lease_token <> 0
     ORDER BY locked_until
     LIMIT $1
-    FOR UPDATE SKIP LOCKED
+    FOR NO KEY UPDATE SKIP LOCKED
 ),
-exhausted AS (
-    DELETE FROM postbox.messages m USING expired e
-    WHERE m.id = e.id AND (m.attempts >= m.max_attempts OR m.cancelled)
-    RETURNING m.*
-),
+"#,
+    take_out_cte!(
+        "exhausted",
+        "ARRAY(SELECT id FROM expired WHERE ends)",
+        "NULL::bigint[]"
+    ),
+    r#",
 "#,
     promote_heads_cte!("exhausted"),
     r#",
@@ -341,12 +381,12 @@ back AS (
     backoff_sql!("$2", "$3", "$4"),
     r#")
     FROM expired e
-    WHERE m.id = e.id AND m.attempts < m.max_attempts AND NOT m.cancelled
+    WHERE m.id = e.id AND NOT e.ends
     RETURNING m.id
 )
-SELECT id, false AS dead FROM back
+SELECT id, false AS dead, false AS kept FROM back
 UNION ALL
-SELECT id, true AS dead FROM buried
+SELECT b.id, true AS dead, e.kept FROM buried b JOIN exhausted e ON e.id = b.id
 "#
 );
 
@@ -400,7 +440,7 @@ impl Store {
             return Ok((Settled::default(), Vec::new()));
         }
         let (ids, tokens) = split(leases.iter().copied());
-        let token = fastrand::i64(..);
+        let token = super::new_token();
         let mut conn = self.conn().await?;
         let take = i32::try_from(take).unwrap_or(i32::MAX);
         let rows: Vec<CompleteRow> = match &self.archive {
@@ -432,7 +472,10 @@ impl Store {
         let mut next = Vec::with_capacity(rows.len().saturating_sub(1));
         for row in rows {
             match row.done {
-                Some(ids) => done = ids.into_iter().map(|id| IdRow { id }).collect(),
+                Some(ids) => {
+                    self.note_kept(row.kept.unwrap_or(0));
+                    done = ids.into_iter().map(|id| IdRow { id }).collect();
+                }
                 None => next.push(row.message),
             }
         }
@@ -466,6 +509,7 @@ impl Store {
             .bind::<Double, _>(b.jitter)
             .load(&mut conn)
             .await?;
+        self.note_kept(rows.iter().filter(|r| r.kept).count() as i64);
         Ok(retry_report(&ids, rows))
     }
 
@@ -479,13 +523,13 @@ impl Store {
             dead.iter().map(|d| storable(&d.reason)).collect();
         let reasons: Vec<&str> = reasons.iter().map(|r| r.as_ref()).collect();
         let mut conn = self.conn().await?;
-        let rows: Vec<IdRow> = diesel::sql_query(DEAD_LETTER)
+        let rows: Vec<IdKeptRow> = diesel::sql_query(DEAD_LETTER)
             .bind::<Array<BigInt>, _>(&ids)
             .bind::<Array<BigInt>, _>(&tokens)
             .bind::<Array<Text>, _>(&reasons)
             .load(&mut conn)
             .await?;
-        Ok(settled(&ids, rows))
+        Ok(self.settled_kept(&ids, rows))
     }
 
     /// Hands messages back without using an attempt (shutdown, sink outage), and wakes waiting
@@ -496,9 +540,9 @@ impl Store {
         }
         let (ids, tokens) = split(leases.iter().copied());
         let mut conn = self.conn().await?;
-        let rows: Vec<IdRow> = conn
+        let rows: Vec<IdKeptRow> = conn
             .transaction(async |conn| {
-                let rows: Vec<IdRow> = diesel::sql_query(RELEASE)
+                let rows: Vec<IdKeptRow> = diesel::sql_query(RELEASE)
                     .bind::<Array<BigInt>, _>(&ids)
                     .bind::<Array<BigInt>, _>(&tokens)
                     .load(conn)
@@ -509,7 +553,16 @@ impl Store {
                 Ok::<_, diesel::result::Error>(rows)
             })
             .await?;
-        Ok(settled(&ids, rows))
+        Ok(self.settled_kept(&ids, rows))
+    }
+
+    /// [`settled`], noting the heads kept for their writers.
+    fn settled_kept(&self, requested: &[i64], rows: Vec<IdKeptRow>) -> Settled {
+        self.note_kept(rows.iter().filter(|r| r.kept).count() as i64);
+        settled(
+            requested,
+            rows.into_iter().map(|r| IdRow { id: r.id }).collect(),
+        )
     }
 
     /// True if the database answers (a trivial query on a pooled connection).
@@ -556,6 +609,7 @@ impl Store {
                 Ok::<_, diesel::result::Error>(rows)
             })
             .await?;
+        self.note_kept(rows.iter().filter(|r| r.kept).count() as i64);
         Ok(retry_report(&[], rows))
     }
 }

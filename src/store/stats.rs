@@ -224,8 +224,12 @@ UNION ALL SELECT 'oldest_transaction', '', '',
        WHERE pid <> pg_backend_pid() AND (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL)
 "#;
 
-/// One relay computes the sample at a time; the others read what it stored.
-const SAMPLE_LEADER: &str = "SELECT CASE WHEN pg_try_advisory_xact_lock(1886352246)
+/// One relay computes the sample at a time (its turn: a row lock no role below relay can take);
+/// the others read what it stored.
+const SAMPLE_LEADER: &str = "WITH turn AS (
+    SELECT 1 FROM postbox.turns WHERE name = 'sample' FOR UPDATE SKIP LOCKED
+)
+SELECT CASE WHEN EXISTS (SELECT 1 FROM turn)
         AND coalesce((SELECT taken_at < now() - make_interval(secs => $1) FROM postbox.samples), true)
     THEN 1 ELSE 0 END::bigint AS n";
 const SAMPLE_STORE: &str = "INSERT INTO postbox.samples (taken_at, body) VALUES (now(), $1::jsonb)
@@ -241,6 +245,9 @@ const SCHEMA_READY: &str = "SELECT to_regclass('postbox.messages') IS NOT NULL
     AND to_regprocedure('postbox.promote_due(integer)') IS NOT NULL
     AND to_regprocedure('postbox.hand_over(text[], text[], bigint[], integer, double precision, bigint, text)') IS NOT NULL
     AND to_regprocedure('postbox.lost_holds()') IS NOT NULL
+    AND to_regprocedure('postbox.kept_head_lease()') IS NOT NULL
+    AND to_regclass('postbox.turns') IS NOT NULL
+    AND to_regprocedure('postbox.finish_heads(integer)') IS NOT NULL
     AND to_regclass('postbox.pauses') IS NOT NULL
     AND to_regclass('postbox.schedules') IS NOT NULL
     AND to_regclass('postbox.completed') IS NOT NULL

@@ -213,20 +213,37 @@ BEGIN
             current_setting('transaction_isolation')
             USING ERRCODE = 'feature_not_supported';
     END IF;
-    v_topics := ARRAY(
-        SELECT t FROM unnest(postbox.available_topics(p_limit_all, p_limit_topics, p_limit_patterns,
-                                                      p_not_topics, p_not_patterns)) AS u(t)
-        WHERE p_all_topics OR t = ANY(p_topics) OR t LIKE ANY(p_patterns));
+    -- The topics both the claim and the limit let through: from whichever of the two names them
+    -- or a few prefix ranges (one index descent per topic found there), else by walking every
+    -- topic with available messages.
+    v_topics := postbox.narrow_topics(p_all_topics, p_topics, p_patterns, p_not_topics, p_not_patterns,
+                                      10000);
+    IF v_topics IS NOT NULL THEN
+        v_topics := ARRAY(SELECT t FROM unnest(v_topics) AS u(t)
+                          WHERE p_limit_all OR t = ANY(p_limit_topics) OR t LIKE ANY(p_limit_patterns));
+    ELSE
+        v_topics := postbox.narrow_topics(p_limit_all, p_limit_topics, p_limit_patterns, p_not_topics,
+                                          p_not_patterns, 10000);
+        IF v_topics IS NOT NULL THEN
+            v_topics := ARRAY(SELECT t FROM unnest(v_topics) AS u(t)
+                              WHERE p_all_topics OR t = ANY(p_topics) OR t LIKE ANY(p_patterns));
+        ELSE
+            v_topics := ARRAY(
+                SELECT t FROM unnest(postbox.available_topics(p_limit_all, p_limit_topics, p_limit_patterns,
+                                                              p_not_topics, p_not_patterns)) AS u(t)
+                WHERE p_all_topics OR t = ANY(p_topics) OR t LIKE ANY(p_patterns));
+        END IF;
+    END IF;
     IF coalesce(cardinality(v_topics), 0) = 0 THEN
         RETURN;
     END IF;
-    PERFORM pg_advisory_xact_lock(1886352246, hashtext(p_limit));
+    PERFORM postbox.take_turn('limit:' || p_limit);
     -- After the lock: a new snapshot sees what the limit's last claimer took.
     v_limited := postbox.limit_topics(p_limit_all, p_limit_topics, p_limit_patterns);
     IF NOT p_per_key THEN
         SELECT p_max - coalesce(sum(r.n), 0) INTO v_room
         FROM (SELECT m.topic, count(*) AS n FROM postbox.messages m
-              WHERE m.state = 'running' AND m.topic = ANY(v_limited)
+              WHERE m.state = 'running' AND m.topic = ANY(v_limited) AND m.lease_token <> 0
               GROUP BY m.topic) r;
         v_room := least(v_room, p_batch);
         IF v_room <= 0 THEN
@@ -246,7 +263,7 @@ BEGIN
     INTO v_keys, v_counts, v_null_count
     FROM (SELECT t.key, sum(t.n)::integer AS n
           FROM (SELECT m.topic, m.key, count(*) AS n FROM postbox.messages m
-                WHERE m.state = 'running' AND m.topic = ANY(v_limited)
+                WHERE m.state = 'running' AND m.topic = ANY(v_limited) AND m.lease_token <> 0
                 GROUP BY m.topic, m.key) t
           GROUP BY t.key) r;
     v_keys := coalesce(v_keys, '{}');
@@ -279,7 +296,7 @@ BEGIN
             -- By primary key (`state::text`: see postbox.promote_keys); taken meanwhile: skipped.
             SELECT m.id FROM postbox.messages m
             WHERE m.id = ANY(ARRAY(SELECT id FROM picked)) AND m.state::text = 'available'
-            FOR UPDATE SKIP LOCKED
+            FOR NO KEY UPDATE SKIP LOCKED
         )
         UPDATE postbox.messages m
         SET state = 'running',
@@ -300,7 +317,7 @@ BEGIN
         SELECT array_agg(r.key), array_agg(r.n) INTO v_keys, v_counts
         FROM (SELECT t.key, sum(t.n)::integer AS n
               FROM (SELECT m.topic, m.key, count(*) AS n FROM postbox.messages m
-                    WHERE m.state = 'running' AND m.topic = ANY(v_limited) AND m.key IS NOT NULL
+                    WHERE m.state = 'running' AND m.topic = ANY(v_limited) AND m.lease_token <> 0 AND m.key IS NOT NULL
                     GROUP BY m.topic, m.key) t
               GROUP BY t.key) r;
         v_keys := coalesce(v_keys, '{}');
@@ -332,7 +349,7 @@ BEGIN
                           WHERE k.state = 'available' AND k.topic = v_topic AND k.key = ks.key
                           ORDER BY k.priority, k.id
                           LIMIT least(ks.room, v_wanted - ks.before)
-                          FOR UPDATE SKIP LOCKED) p
+                          FOR NO KEY UPDATE SKIP LOCKED) p
             WHERE ks.room > 0 AND ks.before < v_wanted
         )
         UPDATE postbox.messages m
@@ -369,7 +386,7 @@ BEGIN
         WHERE m.state = 'available' AND m.topic = p_topic
         ORDER BY m.priority, m.id
         LIMIT p_batch
-        FOR UPDATE SKIP LOCKED
+        FOR NO KEY UPDATE SKIP LOCKED
     )
     UPDATE postbox.messages m
     SET state = 'running',
@@ -414,7 +431,7 @@ DECLARE
     v_name text;
     v_created integer := 0;
 BEGIN
-    PERFORM pg_advisory_xact_lock(1886352247, 0);
+    PERFORM postbox.take_turn('retention');
     WHILE v_hour < now() + least(p_ahead, interval '7 days') LOOP
         v_name := 'completed_' || to_char(v_hour AT TIME ZONE 'UTC', 'YYYYMMDD"_"HH24');
         IF to_regclass(format('postbox.%I', v_name)) IS NULL THEN
@@ -441,7 +458,7 @@ DECLARE
     v record;
     v_dropped integer := 0;
 BEGIN
-    PERFORM pg_advisory_xact_lock(1886352247, 0);
+    PERFORM postbox.take_turn('retention');
     FOR v IN SELECT * FROM postbox.completed_expired(least(p_before, now())) LOOP
         -- The name matched ^completed_[0-9]{8}_[0-9]{2}$ (completed_expired): quoted all the same.
         IF v.detach_pending THEN
@@ -457,6 +474,61 @@ END
 $_$;
 
 --
+-- Name: finish_heads(integer); Type: FUNCTION; Schema: postbox; Owner: -
+--
+
+CREATE FUNCTION postbox.finish_heads(p_limit integer) RETURNS TABLE(finished integer, still_kept integer)
+    LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
+    SET jit TO 'off'
+    AS $$
+DECLARE
+    v_topics text[];
+    v_keys text[];
+    v_ids bigint[];
+    v_left integer;
+BEGIN
+    WITH done AS (
+        SELECT id FROM postbox.messages
+        WHERE id = ANY(ARRAY(
+            (SELECT id FROM postbox.messages
+             WHERE state = 'running' AND locked_until = postbox.kept_head_lease() AND lease_token = 0
+             LIMIT p_limit)
+            UNION ALL
+            -- (One whose lease an operator's SQL moved: rescues leave it alone.)
+            (SELECT id FROM postbox.messages
+             WHERE state = 'running' AND locked_until < now() AND lease_token = 0
+             LIMIT p_limit)))
+          AND state = 'running' AND lease_token = 0
+        LIMIT p_limit
+        FOR UPDATE SKIP LOCKED
+    ),
+    gone AS (
+        DELETE FROM postbox.messages m USING done WHERE m.id = done.id
+        RETURNING m.topic, m.key, m.id
+    )
+    SELECT array_agg(topic), array_agg(key), array_agg(id) INTO v_topics, v_keys, v_ids FROM gone;
+    IF current_setting('postbox.promotes_heads', true) IS NOT DISTINCT FROM 'caller' THEN
+        -- (Otherwise the delete's own trigger has promoted.)
+        PERFORM postbox.promote_after(v_topics, v_keys, v_ids);
+    END IF;
+    IF coalesce(cardinality(v_ids), 0) > 0 THEN
+        PERFORM postbox.wake();
+    END IF;
+    SELECT count(*) INTO v_left FROM (
+        (SELECT 1 FROM postbox.messages
+         WHERE state = 'running' AND locked_until = postbox.kept_head_lease() AND lease_token = 0
+         LIMIT 10000)
+        UNION ALL
+        (SELECT 1 FROM postbox.messages
+         WHERE state = 'running' AND locked_until < now() AND lease_token = 0
+         LIMIT 10000)) k;
+    RETURN QUERY SELECT coalesce(cardinality(v_ids), 0), v_left;
+END
+$$;
+
+--
 -- Name: hand_over(text[], text[], bigint[], integer, double precision, bigint, text); Type: FUNCTION; Schema: postbox; Owner: -
 --
 
@@ -465,13 +537,12 @@ CREATE FUNCTION postbox.hand_over(p_topics text[], p_keys text[], p_removed bigi
     AS $$ SELECT * FROM postbox.promote_keys(p_topics, p_keys, p_removed, false, p_limit, p_lease_secs, p_token, p_owner) $$;
 
 --
--- Name: keeps_ids(); Type: FUNCTION; Schema: postbox; Owner: -
+-- Name: kept_head_lease(); Type: FUNCTION; Schema: postbox; Owner: -
 --
 
-CREATE FUNCTION postbox.keeps_ids() RETURNS boolean
-    LANGUAGE sql STABLE
-    AS $$ SELECT coalesce(current_setting('postbox.keep_ids', true) = 'on', false)
-             AND pg_catalog.has_column_privilege(session_user, 'postbox.messages'::regclass, 'id', 'INSERT') $$;
+CREATE FUNCTION postbox.kept_head_lease() RETURNS timestamp with time zone
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$ SELECT 'infinity'::timestamptz $$;
 
 --
 -- Name: key_lock_id(text, text); Type: FUNCTION; Schema: postbox; Owner: -
@@ -569,9 +640,7 @@ BEGIN
         RAISE EXCEPTION 'permission denied: postbox''s trigger % runs on postbox.messages only', TG_NAME
             USING ERRCODE = 'insufficient_privilege';
     END IF;
-    IF NOT postbox.keeps_ids() THEN
-        RETURN NULL;
-    END IF;
+    -- The trigger's WHEN found that the inserting role may insert ids (a replay).
     UPDATE postbox.messages SET state = 'waiting'
     WHERE ordered AND topic = NEW.topic AND key = NEW.key AND state <> 'waiting' AND state <> 'running'
       AND id > NEW.id;
@@ -608,14 +677,17 @@ BEGIN
             USING ERRCODE = 'feature_not_supported';
     END IF;
     PERFORM pg_advisory_xact_lock(1886352244, postbox.key_lock_id(NEW.topic, NEW.key));
-    IF NOT postbox.keeps_ids() THEN
+    -- 'keep': the trigger's WHEN found that the inserting role may insert ids (a replay).
+    IF TG_ARGV[0] IS DISTINCT FROM 'keep' THEN
         NEW.id := nextval('postbox.messages_id_seq');
     END IF;
-    -- A new statement sees every earlier writer of the key: they committed before we got the lock.
-    SELECT id, state INTO v_head FROM postbox.messages
-    WHERE ordered AND topic = NEW.topic AND key = NEW.key AND state <> 'waiting'
-    ORDER BY id DESC LIMIT 1;
-    IF FOUND THEN
+    LOOP
+        -- A new statement sees every earlier writer of the key: they committed before we got the
+        -- lock.
+        SELECT id, state INTO v_head FROM postbox.messages
+        WHERE ordered AND topic = NEW.topic AND key = NEW.key AND state <> 'waiting'
+        ORDER BY id DESC LIMIT 1;
+        EXIT WHEN NOT FOUND;
         IF v_head.id > NEW.id THEN
             -- A replay of an older message: back in front of a head that has not started (locked
             -- here, demoted by messages_after_replay once the row is in)...
@@ -626,20 +698,29 @@ BEGIN
                 NEW.state := postbox.ready_state(NEW.run_at);
                 RETURN NEW;
             END IF;
-            IF v_head.state IN ('available', 'scheduled') THEN
-                -- ...behind one that a claim or a held batch has locked (it is starting: not
-                -- waited for, with the key's writer lock held), marked at commit...
-                NEW.state := 'waiting';
-                RETURN NEW;
+            IF v_head.state NOT IN ('available', 'scheduled') THEN
+                -- ...but not behind one that runs: it stays dead (the replay reports it skipped)
+                -- and can be replayed once that head is settled...
+                RETURN NULL;
             END IF;
-            -- ...but not behind one that runs: it stays dead (the replay reports it skipped) and
-            -- can be replayed once that head is settled.
-            RETURN NULL;
+            -- ...and behind one that a claim or a held batch has locked (it is starting), pinned
+            -- below like any head a message goes behind.
         END IF;
-        NEW.state := 'waiting';
-    ELSIF EXISTS (SELECT 1 FROM postbox.messages
-                  WHERE state = 'waiting' AND topic = NEW.topic AND key = NEW.key) THEN
-        -- Only waiting messages: a head is being removed right now; the commit check decides.
+        -- The pin: the head stays until this transaction ends (whoever settles it meanwhile
+        -- leaves it in place, see kept_head_lease). Waits only for a settle deleting it right
+        -- now; then the key has a new head, or none: look again.
+        PERFORM 1 FROM postbox.messages
+        WHERE id = v_head.id AND state::text <> 'waiting'
+        FOR KEY SHARE;
+        IF FOUND THEN
+            NEW.state := 'waiting';
+            RETURN NEW;
+        END IF;
+    END LOOP;
+    IF EXISTS (SELECT 1 FROM postbox.messages
+               WHERE state = 'waiting' AND topic = NEW.topic AND key = NEW.key) THEN
+        -- Waiting messages and no head: a stranded key (an operator's SQL can make one). It goes
+        -- behind them; the relay's repair gives the key its head.
         NEW.state := 'waiting';
     ELSE
         NEW.state := postbox.ready_state(NEW.run_at);
@@ -667,7 +748,6 @@ BEGIN
         RAISE EXCEPTION 'permission denied: postbox''s trigger % runs on postbox.messages only', TG_NAME
             USING ERRCODE = 'insufficient_privilege';
     END IF;
-    PERFORM pg_advisory_xact_lock(1886352245, postbox.key_lock_id(NEW.topic, NEW.key));
     SELECT id, state INTO v_head FROM postbox.messages
     WHERE ordered AND topic = NEW.topic AND key = NEW.key AND state <> 'waiting'
     ORDER BY id DESC LIMIT 1;
@@ -676,8 +756,8 @@ BEGIN
                                                    true, 0, 1, 0, '');
     ELSIF v_head.id > NEW.id AND v_head.state IN ('available', 'scheduled')
           AND EXISTS (SELECT 1 FROM postbox.messages WHERE id = NEW.id AND state::text = 'waiting') THEN
-        -- Not waited for while the key's promotion lock is held exclusively: a head that a claim
-        -- or a held batch has locked is starting, and the replayed message goes behind it.
+        -- Not waited for: a head that a claim or a held batch has locked is starting, and the
+        -- replayed message stays behind it.
         PERFORM 1 FROM postbox.messages
         WHERE id = v_head.id AND state IN ('available', 'scheduled')
         FOR UPDATE SKIP LOCKED;
@@ -690,8 +770,7 @@ BEGIN
             RETURN NULL;
         END IF;
     END IF;
-    IF postbox.keeps_ids()
-       AND EXISTS (SELECT 1 FROM postbox.messages WHERE id = NEW.id AND state::text = 'waiting') THEN
+    IF EXISTS (SELECT 1 FROM postbox.messages WHERE id = NEW.id AND state::text = 'waiting') THEN
         INSERT INTO postbox.behind (topic, key, id) VALUES (NEW.topic, NEW.key, NEW.id)
         ON CONFLICT DO NOTHING;
     END IF;
@@ -827,7 +906,7 @@ BEGIN
         -- explain: every topic
         RETURN QUERY SELECT m.* FROM postbox.messages m
             WHERE m.state = 'available' AND (m.priority::integer, m.id) > (v_priority::integer, v_id)
-            ORDER BY m.priority::integer, m.id LIMIT v_batch FOR UPDATE SKIP LOCKED;
+            ORDER BY m.priority::integer, m.id LIMIT v_batch FOR NO KEY UPDATE SKIP LOCKED;
         RETURN;
     END IF;
     IF NOT p_all_topics AND cardinality(p_patterns) = 0 AND cardinality(p_topics) <= 16 THEN
@@ -865,7 +944,7 @@ BEGIN
                 -- explain: the window's rows
                 RETURN QUERY SELECT m.* FROM postbox.messages m
                     WHERE m.id = ANY(v_ids) AND m.state = 'available'
-                    ORDER BY m.priority, m.id LIMIT v_batch - v_got FOR UPDATE SKIP LOCKED;
+                    ORDER BY m.priority, m.id LIMIT v_batch - v_got FOR NO KEY UPDATE SKIP LOCKED;
                 GET DIAGNOSTICS v_n = ROW_COUNT;
                 v_got := v_got + v_n;
             END IF;
@@ -938,7 +1017,7 @@ BEGIN
         EXIT WHEN v_ids IS NULL;
         RETURN QUERY SELECT m.* FROM postbox.messages m
             WHERE m.id = ANY(v_ids) AND m.state = 'available'
-            ORDER BY m.priority, m.id FOR UPDATE SKIP LOCKED;
+            ORDER BY m.priority, m.id FOR NO KEY UPDATE SKIP LOCKED;
         GET DIAGNOSTICS v_n = ROW_COUNT;
         v_got := v_got + v_n;
         EXIT WHEN v_got >= v_batch OR cardinality(v_ids) < v_batch - v_got + v_n;
@@ -1021,7 +1100,6 @@ CREATE FUNCTION postbox.promote_keys(p_topics text[], p_keys text[], p_removed b
     SET jit TO 'off'
     AS $$
 DECLARE
-    v_timeout text;
     v_topics text[];
     v_keys text[];
     v_bounds bigint[];
@@ -1040,18 +1118,6 @@ BEGIN
             current_setting('transaction_isolation')
             USING ERRCODE = 'feature_not_supported';
     END IF;
-    v_timeout := current_setting('lock_timeout');
-    PERFORM set_config('lock_timeout', '200ms', true);
-    IF p_exclusive THEN
-        PERFORM pg_advisory_xact_lock(1886352245, s.slot)
-        FROM (SELECT DISTINCT postbox.key_lock_id(t, k) AS slot
-              FROM unnest(p_topics, p_keys) AS u(t, k) ORDER BY 1) s;
-    ELSE
-        PERFORM pg_advisory_xact_lock_shared(1886352245, s.slot)
-        FROM (SELECT DISTINCT postbox.key_lock_id(t, k) AS slot
-              FROM unnest(p_topics, p_keys) AS u(t, k) ORDER BY 1) s;
-    END IF;
-    PERFORM set_config('lock_timeout', v_timeout, true);
 
     SELECT array_agg(t ORDER BY t, k), array_agg(k ORDER BY t, k), array_agg(r ORDER BY t, k)
     INTO v_topics, v_keys, v_bounds
@@ -1331,7 +1397,7 @@ BEGIN
         WHERE m.state = 'available' AND m.topic = p_topic
         ORDER BY m.priority, m.id
         LIMIT p_batch
-        FOR UPDATE SKIP LOCKED;
+        FOR NO KEY UPDATE SKIP LOCKED;
     ELSE
         RETURN QUERY
         SELECT m.* FROM postbox.messages m
@@ -1339,7 +1405,23 @@ BEGIN
           AND (m.priority, m.id) > (p_after_priority, p_after_id)
         ORDER BY m.priority, m.id
         LIMIT p_batch
-        FOR UPDATE SKIP LOCKED;
+        FOR NO KEY UPDATE SKIP LOCKED;
+    END IF;
+END
+$$;
+
+--
+-- Name: take_turn(text); Type: FUNCTION; Schema: postbox; Owner: -
+--
+
+CREATE FUNCTION postbox.take_turn(p_name text) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    PERFORM 1 FROM postbox.turns WHERE name = p_name FOR UPDATE;
+    IF NOT FOUND THEN
+        INSERT INTO postbox.turns (name) VALUES (p_name) ON CONFLICT DO NOTHING;
+        PERFORM 1 FROM postbox.turns WHERE name = p_name FOR UPDATE;
     END IF;
 END
 $$;
@@ -1504,6 +1586,20 @@ CREATE TABLE postbox.stream_slots (
 );
 
 --
+-- Name: turns; Type: TABLE; Schema: postbox; Owner: -
+--
+
+CREATE TABLE postbox.turns (
+    name text NOT NULL
+);
+
+--
+-- Name: TABLE turns; Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON TABLE postbox.turns IS 'postbox: what relays take turns on (a running limit, the retention upkeep, the metrics sample), one row each, locked FOR UPDATE by the one whose turn it is';
+
+--
 -- Name: behind behind_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -
 --
 
@@ -1572,6 +1668,13 @@ ALTER TABLE ONLY postbox.schedules
 
 ALTER TABLE ONLY postbox.stream_slots
     ADD CONSTRAINT stream_slots_pkey PRIMARY KEY (slot_name);
+
+--
+-- Name: turns turns_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -
+--
+
+ALTER TABLE ONLY postbox.turns
+    ADD CONSTRAINT turns_pkey PRIMARY KEY (name);
 
 --
 -- Name: completed_id_idx; Type: INDEX; Schema: postbox; Owner: -
@@ -1661,13 +1764,13 @@ CREATE INDEX messages_waiting_idx ON postbox.messages USING btree (topic, key, i
 -- Name: messages messages_after_replay; Type: TRIGGER; Schema: postbox; Owner: -
 --
 
-CREATE TRIGGER messages_after_replay AFTER INSERT ON postbox.messages FOR EACH ROW WHEN ((new.ordered AND (new.state <> 'waiting'::postbox.message_state) AND (current_setting('postbox.keep_ids'::text, true) = 'on'::text))) EXECUTE FUNCTION postbox.messages_after_replay();
+CREATE TRIGGER messages_after_replay AFTER INSERT ON postbox.messages FOR EACH ROW WHEN ((new.ordered AND (new.state <> 'waiting'::postbox.message_state) AND (current_setting('postbox.keep_ids'::text, true) = 'on'::text) AND has_column_privilege('postbox.messages'::text, 'id'::text, 'INSERT'::text))) EXECUTE FUNCTION postbox.messages_after_replay();
 
 --
 -- Name: messages messages_check_head; Type: TRIGGER; Schema: postbox; Owner: -
 --
 
-CREATE CONSTRAINT TRIGGER messages_check_head AFTER INSERT ON postbox.messages DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN ((new.ordered AND (new.state = 'waiting'::postbox.message_state))) EXECUTE FUNCTION postbox.messages_check_head();
+CREATE CONSTRAINT TRIGGER messages_check_head AFTER INSERT ON postbox.messages DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN ((new.ordered AND (new.state = 'waiting'::postbox.message_state) AND (current_setting('postbox.keep_ids'::text, true) = 'on'::text) AND has_column_privilege('postbox.messages'::text, 'id'::text, 'INSERT'::text))) EXECUTE FUNCTION postbox.messages_check_head();
 
 --
 -- Name: messages messages_head_removed; Type: TRIGGER; Schema: postbox; Owner: -
@@ -1685,7 +1788,13 @@ CREATE TRIGGER messages_heads_promoted AFTER DELETE ON postbox.messages FOR EACH
 -- Name: messages messages_state; Type: TRIGGER; Schema: postbox; Owner: -
 --
 
-CREATE TRIGGER messages_state BEFORE INSERT ON postbox.messages FOR EACH ROW WHEN ((new.ordered OR (new.run_at > now()))) EXECUTE FUNCTION postbox.messages_before_insert();
+CREATE TRIGGER messages_state BEFORE INSERT ON postbox.messages FOR EACH ROW WHEN (((new.ordered OR (new.run_at > now())) AND ((current_setting('postbox.keep_ids'::text, true) IS DISTINCT FROM 'on'::text) OR (NOT has_column_privilege('postbox.messages'::text, 'id'::text, 'INSERT'::text))))) EXECUTE FUNCTION postbox.messages_before_insert();
+
+--
+-- Name: messages messages_state_keep; Type: TRIGGER; Schema: postbox; Owner: -
+--
+
+CREATE TRIGGER messages_state_keep BEFORE INSERT ON postbox.messages FOR EACH ROW WHEN (((new.ordered OR (new.run_at > now())) AND (current_setting('postbox.keep_ids'::text, true) = 'on'::text) AND has_column_privilege('postbox.messages'::text, 'id'::text, 'INSERT'::text))) EXECUTE FUNCTION postbox.messages_before_insert('keep');
 
 --
 -- Name: messages messages_wake; Type: TRIGGER; Schema: postbox; Owner: -
