@@ -11,8 +11,6 @@
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-use postbox::Store;
-
 use super::backlog::exec;
 use super::{percentile, reset};
 
@@ -120,7 +118,6 @@ pub async fn run(url: &str, rows: usize) {
         "console: {rows} messages (+{ordered} ordered) and {rows} dead letters built in {:.0} s",
         t.elapsed().as_secs_f64()
     );
-    let store = Store::connect(url, 8).await.unwrap();
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
@@ -132,13 +129,16 @@ pub async fn run(url: &str, rows: usize) {
         token: Some("a-bench-token-long-enough".into()),
         show_payloads: true,
         allowed_hosts: Vec::new(),
+        pool_size: 2,
+        statement_timeout: std::time::Duration::from_secs(5),
+        token_trimmed: false,
     };
     let view = postbox::relay::RelayView {
         metrics: Some(postbox::metrics::Metrics::new(&["log"])),
         ..Default::default()
     };
     let stop = tokio_util::sync::CancellationToken::new();
-    let server = postbox::relay::serve_ui(settings, store, view, stop.clone())
+    let server = postbox::relay::serve_ui(settings, url, view, stop.clone())
         .await
         .unwrap();
     let json = enc(r#"{"customer": "c-42"}"#);

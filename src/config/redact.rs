@@ -1,110 +1,11 @@
-//! Secrets out of what is printed and logged: librdkafka credentials and URL passwords, and the
-//! effective configuration as `postbox config check` prints it.
+//! The effective configuration as `postbox config check` prints it, secrets redacted (the
+//! redaction itself: [`crate::redact`]).
+
+pub use crate::redact::{is_secret, redact_url, redact_values};
 
 use super::{
     Config, KafkaSink, MetricsSection, RelaySection, RetentionSection, Settings, SinksSection,
 };
-
-/// True for librdkafka properties that hold credentials.
-pub fn is_secret(key: &str) -> bool {
-    let k = key.to_ascii_lowercase();
-    [
-        "password",
-        "secret",
-        "sasl.jaas",
-        "sasl.oauthbearer.config",
-        "ssl.key.pem",
-        "ssl_key",
-        "token",
-    ]
-    .iter()
-    .any(|s| k.contains(s))
-}
-
-/// The URL (or `key=value` connection string) with its password and every password parameter
-/// replaced by `<redacted>`. The user info is taken up to the last `@`, so a password holding `?`,
-/// `/` or `@` is hidden whole; parameter names are compared percent-decoded (`pass%77ord=`), and
-/// every one is redacted, not only the first. Errs on the side of hiding.
-pub fn redact_url(url: &str) -> String {
-    let mut out = url.to_owned();
-    if let Some(scheme_end) = out.find("://") {
-        let rest_start = scheme_end + 3;
-        if let Some(at) = out[rest_start..].rfind('@') {
-            let userinfo = &out[rest_start..rest_start + at];
-            if let Some(colon) = userinfo.find(':') {
-                let start = rest_start + colon + 1;
-                out.replace_range(start..rest_start + at, "<redacted>");
-            }
-        }
-    }
-    redact_params(&out)
-}
-
-/// Every `…password…=value` parameter of a query or connection string, value redacted.
-fn redact_params(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut segment = String::new();
-    for c in s.chars() {
-        if matches!(c, '&' | '?' | ' ' | ';') {
-            out.push_str(&redact_segment(&segment));
-            out.push(c);
-            segment.clear();
-        } else {
-            segment.push(c);
-        }
-    }
-    out.push_str(&redact_segment(&segment));
-    out
-}
-
-fn redact_segment(segment: &str) -> String {
-    match segment.split_once('=') {
-        Some((key, _))
-            if percent_decoded(key)
-                .to_ascii_lowercase()
-                .contains("password") =>
-        {
-            format!("{key}=<redacted>")
-        }
-        _ => segment.to_owned(),
-    }
-}
-
-fn percent_decoded(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%'
-            && i + 2 < bytes.len()
-            && let Some(b) = std::str::from_utf8(&bytes[i + 1..i + 3])
-                .ok()
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-        {
-            out.push(b);
-            i += 3;
-            continue;
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// `text` with the value of every secret property of `properties` replaced by `<redacted>` (an
-/// error of librdkafka that quotes the value it refused).
-pub fn redact_values<'a>(
-    text: &str,
-    properties: impl IntoIterator<Item = (&'a String, &'a String)>,
-) -> String {
-    let mut out = text.to_owned();
-    for (k, v) in properties {
-        if is_secret(k) && !v.is_empty() {
-            out = out.replace(v.as_str(), "<redacted>");
-        }
-    }
-    out
-}
 
 impl Settings {
     /// The effective configuration as TOML, secrets redacted (what `postbox config check` prints).
@@ -177,6 +78,8 @@ impl Settings {
                 } else {
                     u.allowed_hosts.clone()
                 }),
+                pool_size: Some(u.pool_size),
+                statement_timeout: Some(super::durations::format_duration(u.statement_timeout)),
             }),
         };
         toml::to_string(&file).expect("the configuration serializes")

@@ -26,7 +26,17 @@ pub struct UiSection {
     /// The host names a request's `Host` may name (against DNS rebinding); `["*"]`: any. Default:
     /// the loopback names when `listen` is a loopback address, else any.
     pub allowed_hosts: Option<Vec<String>>,
+    /// The database connections the console's pages may use at once (its own, never the
+    /// delivery's; default 2).
+    pub pool_size: Option<u32>,
+    /// The longest a page's statement may run before the server ends it (default `5s`).
+    pub statement_timeout: Option<String>,
 }
+
+/// The default number of database connections of the console's pages.
+pub const DEFAULT_UI_POOL_SIZE: u32 = 2;
+/// The default limit on one statement of a console page.
+pub const DEFAULT_UI_STATEMENT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The default address of the console.
 pub const DEFAULT_UI_LISTEN: &str = "127.0.0.1:9465";
@@ -46,12 +56,31 @@ pub struct UiSettings {
     pub show_payloads: bool,
     /// Host names (lower case, no port) a request's `Host` may name; empty: any.
     pub allowed_hosts: Vec<String>,
+    /// Database connections of the console's pages.
+    pub pool_size: u32,
+    /// The limit on one statement of a page.
+    pub statement_timeout: std::time::Duration,
+    /// The token as given had spaces or line breaks around it, removed (see
+    /// [`UiSettings::notes`]).
+    pub token_trimmed: bool,
 }
 
 /// The host names of a console that listens on a loopback address.
 pub const LOOPBACK_HOSTS: [&str; 3] = ["localhost", "127.0.0.1", "[::1]"];
 
 impl UiSettings {
+    /// What `config check` and the relay's start say about these settings beyond errors.
+    pub fn notes(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.token_trimmed {
+            out.push(
+                "ui.token: the spaces or line break around it (a Secret made from a file?) were removed"
+                    .to_owned(),
+            );
+        }
+        out
+    }
+
     /// Whether a request's `Host` header (`name` or `name:port`) is one the console answers.
     pub fn host_allowed(&self, host: Option<&str>) -> bool {
         if self.allowed_hosts.is_empty() {
@@ -97,7 +126,10 @@ impl UiSection {
                 format!("{path_prefix:?} must start with / and not end with one (\"/postbox\")"),
             ));
         }
-        let token = self.token.clone();
+        // A token read from a file (a Secret made with --from-file) ends with a newline that no
+        // header can carry: spaces and line breaks around it are not part of it.
+        let token = self.token.as_deref().map(str::trim).map(str::to_owned);
+        let token_trimmed = token.as_deref().map(str::len) != self.token.as_deref().map(str::len);
         if let Some(t) = &token
             && t.len() < 16
         {
@@ -143,6 +175,25 @@ impl UiSection {
             }
             None => Vec::new(),
         };
+        let pool_size = self.pool_size.unwrap_or(DEFAULT_UI_POOL_SIZE);
+        if !(1..=16).contains(&pool_size) {
+            return Err(err("ui.pool_size", "must be between 1 and 16".into()));
+        }
+        let statement_timeout = match &self.statement_timeout {
+            None => DEFAULT_UI_STATEMENT_TIMEOUT,
+            Some(t) => {
+                let d = super::parse_duration(t).map_err(|e| err("ui.statement_timeout", e))?;
+                if d < std::time::Duration::from_millis(100)
+                    || d > std::time::Duration::from_secs(300)
+                {
+                    return Err(err(
+                        "ui.statement_timeout",
+                        "must be between 100ms and 5m".into(),
+                    ));
+                }
+                d
+            }
+        };
         Ok(Some(UiSettings {
             listen,
             path_prefix,
@@ -150,6 +201,9 @@ impl UiSection {
             token,
             show_payloads: self.show_payloads.unwrap_or(true),
             allowed_hosts,
+            pool_size,
+            statement_timeout,
+            token_trimmed,
         }))
     }
 }

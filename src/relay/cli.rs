@@ -160,6 +160,9 @@ pub async fn execute(cli: Cli) -> Result<(), RelayError> {
     match cli.command {
         Command::Config(ConfigCommand::Check) => {
             print!("{}", settings.to_redacted_toml());
+            for note in settings.ui.iter().flat_map(|u| u.notes()) {
+                eprintln!("note: {note}");
+            }
             eprintln!("configuration ok");
         }
         Command::Migrate => {

@@ -309,13 +309,16 @@ pub async fn run(
     };
     let console = match &settings.ui {
         Some(ui) if !drain => {
+            for note in ui.notes() {
+                tracing::warn!("{note}");
+            }
             let view = RelayView {
                 metrics: Some(metrics.clone()),
                 schedules: settings.cron_schedules(),
                 limits: settings.running_limits(),
                 stream_slot: settings.stream.as_ref().map(|s| s.slot.clone()),
             };
-            Some(ui::serve_ui(ui.clone(), store.clone(), view, shutdown.clone()).await?)
+            Some(ui::serve_ui(ui.clone(), &settings.database_url, view, shutdown.clone()).await?)
         }
         _ => None,
     };

@@ -1,9 +1,10 @@
 //! `/metrics`, `/healthz` and `/readyz`.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use super::{RelayError, Result};
@@ -65,8 +66,11 @@ pub async fn serve_metrics(
     Ok(tokio::spawn(serve(listener, app, stop)))
 }
 
-/// Connections served at once: past this, new ones wait in the kernel's backlog until one ends,
-/// so idle or slow clients cannot take every file descriptor of the process.
+/// Connections held at once. Past this, a new connection is still accepted, and the one that has
+/// been idle longest (no request in flight: one that sent nothing yet, or waits between requests)
+/// is closed to make room: a client that opens hundreds of idle connections cannot keep a probe
+/// out, and the process never holds more descriptors than this. Only when every connection has a
+/// request in flight is a new one closed at once.
 pub const MAX_CONNECTIONS: usize = 128;
 
 /// A client must send a request's headers within this long (a slow or silent client is cut off).
@@ -76,8 +80,45 @@ pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 /// that holds a connection open for nothing lets it go.
 pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
 
-/// Accepts and serves connections (HTTP/1.1) until `stop`, within [`MAX_CONNECTIONS`],
-/// [`HEADER_TIMEOUT`] and [`CONNECTION_LIFETIME`].
+/// One connection being served: whether a request is in flight, since when it has been idle, and
+/// how to close it.
+struct Held {
+    busy: Arc<AtomicUsize>,
+    idle_since: Arc<Mutex<Instant>>,
+    close: CancellationToken,
+}
+
+/// The connections being served, by number.
+#[derive(Default)]
+struct Table {
+    next: u64,
+    held: HashMap<u64, Held>,
+}
+
+impl Table {
+    /// Room for one more: true if there was, or the longest-idle connection was closed for it.
+    fn make_room(&mut self) -> bool {
+        if self.held.len() < MAX_CONNECTIONS {
+            return true;
+        }
+        let oldest = self
+            .held
+            .iter()
+            .filter(|(_, h)| h.busy.load(Ordering::SeqCst) == 0)
+            .min_by_key(|(_, h)| *h.idle_since.lock().expect("not poisoned"))
+            .map(|(n, _)| *n);
+        match oldest.and_then(|n| self.held.remove(&n)) {
+            Some(h) => {
+                h.close.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Accepts and serves connections (HTTP/1.1) until `stop`, within [`MAX_CONNECTIONS`] (the
+/// longest-idle one making room for a new one), [`HEADER_TIMEOUT`] and [`CONNECTION_LIFETIME`].
 pub(super) async fn serve(
     listener: tokio::net::TcpListener,
     app: axum::Router,
@@ -85,28 +126,60 @@ pub(super) async fn serve(
 ) {
     use hyper_util::rt::{TokioIo, TokioTimer};
     use hyper_util::service::TowerToHyperService;
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let table = Arc::new(Mutex::new(Table::default()));
     let mut connections = tokio::task::JoinSet::new();
     loop {
         while connections.try_join_next().is_some() {}
-        let slot = tokio::select! {
-            s = slots.clone().acquire_owned() => s.expect("the semaphore is never closed"),
-            _ = stop.cancelled() => break,
-        };
         let stream = tokio::select! {
             a = listener.accept() => match a {
                 Ok((stream, _)) => stream,
                 Err(e) => {
                     // Out of descriptors, or a connection reset before it was accepted.
-                    tracing::warn!(error = %e, "metrics listener: accept failed");
+                    tracing::warn!(error = %e, "listener: accept failed");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
             },
             _ = stop.cancelled() => break,
         };
-        let service = TowerToHyperService::new(app.clone());
+        let (number, busy, idle_since, close) = {
+            let mut t = table.lock().expect("not poisoned");
+            if !t.make_room() {
+                // Every connection has a request in flight: this one waits for none of them.
+                drop(stream);
+                continue;
+            }
+            let number = t.next;
+            t.next += 1;
+            let held = Held {
+                busy: Arc::new(AtomicUsize::new(0)),
+                idle_since: Arc::new(Mutex::new(Instant::now())),
+                close: CancellationToken::new(),
+            };
+            let parts = (
+                number,
+                held.busy.clone(),
+                held.idle_since.clone(),
+                held.close.clone(),
+            );
+            t.held.insert(number, held);
+            parts
+        };
+        let inner = TowerToHyperService::new(app.clone());
+        let service = hyper::service::service_fn(move |request| {
+            // In flight from the moment its headers are read until its response is made.
+            busy.fetch_add(1, Ordering::SeqCst);
+            let response = hyper::service::Service::call(&inner, request);
+            let (busy, idle_since) = (busy.clone(), idle_since.clone());
+            async move {
+                let r = response.await;
+                *idle_since.lock().expect("not poisoned") = Instant::now();
+                busy.fetch_sub(1, Ordering::SeqCst);
+                r
+            }
+        });
         let stop = stop.clone();
+        let table = table.clone();
         connections.spawn(async move {
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -116,13 +189,14 @@ pub(super) async fn serve(
             tokio::select! {
                 _ = conn.as_mut() => {}
                 _ = tokio::time::sleep(CONNECTION_LIFETIME) => {}
+                _ = close.cancelled() => {}
                 _ = stop.cancelled() => {
                     // Let a request in progress finish, briefly.
                     conn.as_mut().graceful_shutdown();
                     let _ = tokio::time::timeout(Duration::from_secs(1), conn).await;
                 }
             }
-            drop(slot);
+            table.lock().expect("not poisoned").held.remove(&number);
         });
     }
     connections.shutdown().await;

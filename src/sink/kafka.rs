@@ -119,7 +119,7 @@ pub fn producer(
         .create_with_context::<_, QuietProducer>(QuietContext::default())
         .map_err(|e| {
             // librdkafka quotes the value of a property it refuses: never a secret's.
-            crate::config::redact_values(
+            crate::redact::redact_values(
                 &format!("sinks.kafka: cannot create the producer: {e}"),
                 properties,
             )

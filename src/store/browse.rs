@@ -23,6 +23,12 @@ use crate::error::{Error, Result};
 pub const WINDOW: i64 = 50_000;
 /// Rows a page returns at most.
 pub const PAGE_MAX: usize = 500;
+/// Characters of a payload (or headers) a page carries at most: a preview, cut in SQL, so that a
+/// page of large messages costs the relay a few kilobytes a row whatever they hold.
+pub const PREVIEW_CHARS: usize = 1024;
+/// A payload stored larger than this (compressed bytes) gets no preview on a page: making one
+/// would render the whole value in the database first.
+pub const PREVIEW_SOURCE_MAX: i32 = 64 * 1024;
 
 /// Which messages (or dead letters) a page shows. Empty: all.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -135,9 +141,18 @@ pub struct MessageRow {
     pub at: DateTime<Utc>,
     /// Its last error; for a dead letter, why it died.
     pub error: Option<String>,
-    /// Its payload (`None` when payloads are hidden).
+    /// Its payload, when it is at most [`PREVIEW_CHARS`] characters as JSON text (`None` when
+    /// payloads are hidden, or it is larger: see `payload_preview`; the message's own page shows
+    /// it whole).
     pub payload: Option<serde_json::Value>,
-    /// Its headers.
+    /// The first [`PREVIEW_CHARS`] characters of a larger payload's JSON text (`None` when it is
+    /// whole in `payload`, hidden, or stored larger than [`PREVIEW_SOURCE_MAX`]).
+    pub payload_preview: Option<String>,
+    /// The payload's stored size in bytes (compressed as PostgreSQL keeps it; `None` when
+    /// payloads are hidden).
+    pub payload_bytes: Option<i64>,
+    /// Its headers; a larger object as the first [`PREVIEW_CHARS`] characters of its JSON text
+    /// (a string), or `null` if stored larger than [`PREVIEW_SOURCE_MAX`].
     pub headers: serde_json::Value,
 }
 
@@ -169,6 +184,8 @@ struct Row {
     error: Option<String>,
     #[diesel(sql_type = Nullable<Text>, deserialize_as = LenientOptText)]
     payload: Option<String>,
+    #[diesel(sql_type = Nullable<diesel::sql_types::Integer>)]
+    payload_bytes: Option<i32>,
     #[diesel(sql_type = Nullable<Text>, deserialize_as = LenientOptText)]
     headers: Option<String>,
 }
@@ -176,7 +193,10 @@ struct Row {
 /// The page query of `table`: the window below the cursor, the filter on it, the page.
 fn page_sql(table: &str, state: &str, at: &str, error: &str) -> String {
     // One pass over the window for the page (the primary key backwards, the filter on each row)
-    // and one over its ids alone (an index-only scan) for how far it reached.
+    // and one over its ids alone (an index-only scan) for how far it reached. Payloads and
+    // headers leave the database as previews: one character more than shown tells a cut one.
+    let source_max = PREVIEW_SOURCE_MAX;
+    let cut = PREVIEW_CHARS + 1;
     format!(
         "SELECT edge.low, edge.n, r.* FROM (
             SELECT min(id) AS low, count(*)::bigint AS n FROM (
@@ -184,7 +204,11 @@ fn page_sql(table: &str, state: &str, at: &str, error: &str) -> String {
          ) edge LEFT JOIN LATERAL (
             SELECT t.id, t.topic, t.key, t.ordered, {state} AS state, t.attempts, t.max_attempts,
                    t.created_at, {at} AS at, {error} AS error,
-                   CASE WHEN $3 THEN t.payload::text END AS payload, t.headers::text AS headers
+                   CASE WHEN $3 AND pg_column_size(t.payload) <= {source_max}
+                        THEN left(t.payload::text, {cut}) END AS payload,
+                   CASE WHEN $3 THEN pg_column_size(t.payload) END AS payload_bytes,
+                   CASE WHEN pg_column_size(t.headers) <= {source_max}
+                        THEN left(t.headers::text, {cut}) END AS headers
             FROM (SELECT * FROM postbox.{table} WHERE id < $1 ORDER BY id DESC LIMIT $2) t
             WHERE ($4::bigint IS NULL OR t.id >= $4)
               AND ($5::bigint IS NULL OR t.id <= $5)
@@ -337,9 +361,29 @@ fn message_row(r: Row) -> Option<MessageRow> {
         created_at: r.created_at?,
         at: r.at?,
         error: r.error,
-        payload: r.payload.map(|p| lenient_json(&p)),
-        headers: r.headers.map(|h| lenient_json(&h)).unwrap_or_default(),
+        payload: r.payload.as_deref().filter(|p| whole(p)).map(lenient_json),
+        payload_preview: r.payload.filter(|p| !whole(p)).map(cut),
+        payload_bytes: r.payload_bytes.map(i64::from),
+        headers: match r.headers {
+            Some(h) if whole(&h) => lenient_json(&h),
+            Some(h) => serde_json::Value::String(cut(h)),
+            None => serde_json::Value::Null,
+        },
     })
+}
+
+/// Whether a preview is the whole text (it was read one character longer than shown).
+fn whole(text: &str) -> bool {
+    text.chars().nth(PREVIEW_CHARS).is_none()
+}
+
+/// A preview cut to [`PREVIEW_CHARS`] characters, marked with `…`.
+fn cut(mut text: String) -> String {
+    if let Some((at, _)) = text.char_indices().nth(PREVIEW_CHARS) {
+        text.truncate(at);
+        text.push('…');
+    }
+    text
 }
 
 /// The JSON of a stored value, or its text as a string when this process cannot parse it (nested

@@ -199,6 +199,15 @@ mod pool {
         pub token: i64,
     }
 
+    /// How a pool opens and sets up a connection.
+    type Setup = dyn for<'a> Fn(
+            &'a str,
+        ) -> futures_util::future::BoxFuture<
+            'a,
+            diesel::ConnectionResult<AsyncPgConnection>,
+        > + Send
+        + Sync;
+
     /// The queue's state transitions over a connection pool.
     #[derive(Clone)]
     pub struct Store {
@@ -238,11 +247,62 @@ mod pool {
         /// settings of [`super::connect::establish`]. Connections are not pinged on checkout (a
         /// broken one fails its query, is discarded, and the operation is retried by its caller).
         pub async fn connect(database_url: &str, max_size: u32) -> Result<Self> {
-            use diesel_async::pooled_connection::{ManagerConfig, RecyclingMethod};
             use futures_util::FutureExt;
+            Self::connect_with(
+                database_url,
+                max_size,
+                std::time::Duration::from_secs(10),
+                Arc::new(|url: &str| super::connect::establish(url).boxed()),
+            )
+            .await
+        }
+
+        /// A store of its own for a part of the relay that is not delivery (the console): at
+        /// most `max_size` connections, each statement ended by the server after
+        /// `statement_timeout`, and a caller that waits longer than `checkout` for a connection
+        /// is refused ([`Error::Pool`]) rather than queued. Its connections are never the
+        /// delivery's.
+        pub async fn connect_bounded(
+            database_url: &str,
+            max_size: u32,
+            statement_timeout: std::time::Duration,
+            checkout: std::time::Duration,
+            application_name: &'static str,
+        ) -> Result<Self> {
+            use futures_util::FutureExt;
+            let ms = statement_timeout.as_millis().max(1);
+            Self::connect_with(
+                database_url,
+                max_size,
+                checkout,
+                Arc::new(move |url: &str| {
+                    let url = url.to_owned();
+                    async move {
+                        use diesel_async::SimpleAsyncConnection;
+                        let mut conn = super::connect::establish(&url).await?;
+                        conn.batch_execute(&format!(
+                            "SET statement_timeout = {ms}; SET idle_in_transaction_session_timeout = {ms}; SET application_name = '{application_name}'"
+                        ))
+                        .await
+                        .map_err(|e| diesel::ConnectionError::BadConnection(e.to_string()))?;
+                        Ok(conn)
+                    }
+                    .boxed()
+                }),
+            )
+            .await
+        }
+
+        async fn connect_with(
+            database_url: &str,
+            max_size: u32,
+            checkout: std::time::Duration,
+            setup: Arc<Setup>,
+        ) -> Result<Self> {
+            use diesel_async::pooled_connection::{ManagerConfig, RecyclingMethod};
             let mut config = ManagerConfig::<AsyncPgConnection>::default();
             config.recycling_method = RecyclingMethod::Fast;
-            config.custom_setup = Box::new(|url| super::connect::establish(url).boxed());
+            config.custom_setup = Box::new(move |url| setup(url));
             let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(
                 database_url,
                 config,
@@ -250,7 +310,7 @@ mod pool {
             let pool = bb8::Pool::builder()
                 .max_size(max_size)
                 .test_on_check_out(false)
-                .connection_timeout(std::time::Duration::from_secs(10))
+                .connection_timeout(checkout)
                 .build(manager)
                 .await
                 .map_err(|e| Error::Pool(e.to_string()))?;

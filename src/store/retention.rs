@@ -153,6 +153,8 @@ struct Found {
     first_error: Option<String>,
     #[diesel(sql_type = Jsonb, deserialize_as = LenientJson)]
     payload: serde_json::Value,
+    #[diesel(sql_type = Nullable<Integer>)]
+    omitted: Option<i32>,
     #[diesel(sql_type = Jsonb, deserialize_as = LenientJson)]
     headers: serde_json::Value,
 }
@@ -181,21 +183,33 @@ const EXPIRED: &str =
     "SELECT name, detach_pending FROM postbox.completed_expired(now() - make_interval(secs => $1))";
 
 /// The live message first, then its dead letter, then its delivered copies (a replayed dead
-/// letter can have been delivered once before), newest first.
+/// letter can have been delivered once before), newest first. `$2`: the longest payload (bytes
+/// of JSON text) to read, larger ones read as `null` with their size in `omitted` (NULL: any).
 const FIND: &str = "
 SELECT 'queued' AS place, id, topic, key, state::text AS state, attempts, max_attempts, created_at,
-       run_at AS at, locked_by AS who, last_error AS detail, first_error, payload, headers, 0 AS rank,
+       run_at AS at, locked_by AS who, last_error AS detail, first_error, PAYLOAD, headers, 0 AS rank,
        now() AS sort
 FROM postbox.messages WHERE id = $1
 UNION ALL
 SELECT 'dead', id, topic, key, NULL, attempts, max_attempts, created_at, dead_at,
-       reason, last_error, first_error, payload, headers, 1, dead_at
+       reason, last_error, first_error, PAYLOAD, headers, 1, dead_at
 FROM postbox.dead_letters WHERE id = $1
 UNION ALL
 SELECT 'delivered', id, topic, key, NULL, attempts, NULL, created_at, delivered_at, relay,
-       sink, NULL::text, payload, headers, 2, delivered_at
+       sink, NULL::text, PAYLOAD, headers, 2, delivered_at
 FROM postbox.completed WHERE id = $1
 ORDER BY rank, sort DESC";
+
+/// The payload columns of [`FIND`]: read whole unless its JSON text is longer than `$2` (a value
+/// stored larger than `$2` compressed is not even rendered to know).
+const FIND_PAYLOAD: &str = "CASE WHEN $2::int IS NULL THEN payload
+            WHEN pg_column_size(payload) <= $2 AND octet_length(payload::text) <= $2 THEN payload
+            ELSE 'null'::jsonb END AS payload,
+       CASE WHEN $2::int IS NULL THEN NULL
+            WHEN pg_column_size(payload) > $2 OR octet_length(payload::text) > $2
+            THEN greatest(pg_column_size(payload), CASE WHEN pg_column_size(payload) <= $2 * 16
+                                                        THEN octet_length(payload::text) END)
+            END AS omitted";
 
 impl Store {
     /// Creates the hourly partitions of `postbox.completed` from this hour to
@@ -277,13 +291,33 @@ impl Store {
     /// retention (with when, by which sink and relay). `None`: never enqueued, or delivered and
     /// not kept (retention off, or expired).
     pub async fn show(&self, id: MessageId) -> Result<Option<Shown>> {
+        Ok(self.show_bounded(id, None).await?.map(|(s, _)| s))
+    }
+
+    /// [`Store::show`], reading the payload only if its JSON text is at most `max_payload`
+    /// bytes: a larger one comes back as `null`, with its size (stored or as text, whichever is
+    /// larger) beside. The console's message page reads at most a few megabytes this way.
+    pub async fn show_bounded(
+        &self,
+        id: MessageId,
+        max_payload: Option<usize>,
+    ) -> Result<Option<(Shown, Option<i64>)>> {
         let mut conn = self.conn().await?;
-        let rows: Vec<Found> = diesel::sql_query(FIND)
+        let max = max_payload.map(|m| i32::try_from(m).unwrap_or(i32::MAX));
+        let rows: Vec<Found> = diesel::sql_query(FIND.replace("PAYLOAD", FIND_PAYLOAD))
             .bind::<BigInt, _>(id)
+            .bind::<Nullable<Integer>, _>(max)
             .load(&mut conn)
             .await?;
         Ok(rows.into_iter().next().map(|r| {
-            let at = r.at.unwrap_or(r.created_at);
+            let omitted = r.omitted.map(i64::from);
+            (Self::shown(r), omitted)
+        }))
+    }
+
+    fn shown(r: Found) -> Shown {
+        let at = r.at.unwrap_or(r.created_at);
+        {
             match r.place.as_str() {
                 "queued" => Shown::Queued {
                     id: r.id,
@@ -326,6 +360,6 @@ impl Store {
                     headers: r.headers,
                 },
             }
-        }))
+        }
     }
 }

@@ -209,7 +209,7 @@ impl Streamer {
                 Ok(()) => {}
                 Err(Ok(fatal)) => return Err(fatal),
                 Err(Err(e)) => {
-                    tracing::warn!(error = %crate::config::redact_url(&e.to_string()), retry_in = ?pause, "stream: database unreachable");
+                    tracing::warn!(error = %crate::redact::redact_url(&e.to_string()), retry_in = ?pause, "stream: database unreachable");
                     if sleep_or_stop(pause, &stop).await {
                         break;
                     }
@@ -379,7 +379,7 @@ impl Streamer {
                                 "the server has no replication session {name} any more (it ended it, or the link went silent): the connection is presumed dead"
                             ));
                         }
-                        Ok(Err(e)) => tracing::debug!(error = %crate::config::redact_url(&e.to_string()), "stream: cannot ask the server about this session"),
+                        Ok(Err(e)) => tracing::debug!(error = %crate::redact::redact_url(&e.to_string()), "stream: cannot ask the server about this session"),
                         Ok(Ok(true)) | Err(_) => {}
                     }
                     heard = tokio::time::Instant::now();

@@ -58,7 +58,7 @@ pub(super) fn may_act(
     ui: &Ui,
     headers: &HeaderMap,
     csrf: &str,
-) -> std::result::Result<String, Refusal> {
+) -> std::result::Result<Actor, Refusal> {
     if !ui.settings.actions {
         return Err((
             StatusCode::FORBIDDEN,
@@ -70,12 +70,47 @@ pub(super) fn may_act(
     guard::same_site(headers, credential, Some(csrf).filter(|c| !c.is_empty()))?;
     let forwarded = headers
         .get("x-forwarded-for")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("-");
-    Ok(match credential {
-        Credential::Bearer => format!("bearer token (from {forwarded})"),
-        Credential::Basic => format!("basic auth (from {forwarded})"),
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    Ok(Actor {
+        credential: match credential {
+            Credential::Bearer => "bearer token",
+            Credential::Basic => "basic auth",
+        },
+        forwarded,
     })
+}
+
+/// Who acts, for the audit log: how they showed the token, and the `X-Forwarded-For` their
+/// request carried (the client's to write: logged escaped, as every value a client sent is, so no
+/// line of the log can be forged).
+pub(super) struct Actor {
+    credential: &'static str,
+    forwarded: Option<String>,
+}
+
+/// An audit line: `who` (the credential), `from` (the client's `X-Forwarded-For`, escaped), the
+/// action and its fields. Every value a client sent is logged with `?` (quoted, escaped).
+macro_rules! audit {
+    ($actor:expr, $action:expr $(, $($field:tt)*)?) => {
+        tracing::info!(
+            target: "postbox::ui::audit",
+            who = $actor.credential(),
+            from = ?$actor.forwarded(),
+            action = $action,
+            $($($field)*,)?
+            "console action"
+        )
+    };
+}
+pub(super) use audit;
+
+impl Actor {
+    pub(super) fn credential(&self) -> &'static str {
+        self.credential
+    }
+    pub(super) fn forwarded(&self) -> Option<&str> {
+        self.forwarded.as_deref()
+    }
 }
 
 pub(super) async fn dead_replay(
@@ -117,7 +152,7 @@ async fn dead_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, replay: bool) 
             ),
         );
     };
-    let ids = match ui.store.dead_ids(&filter, None, ACT_MAX + 1).await {
+    let ids = match ui.act.dead_ids(&filter, None, ACT_MAX + 1).await {
         Ok(ids) => ids,
         Err(e) => return database_error(&ui, &headers, e),
     };
@@ -149,7 +184,7 @@ async fn dead_act(ui: Arc<Ui>, headers: HeaderMap, f: ActionForm, replay: bool) 
         Err(e) => return database_error(&ui, &headers, e),
     };
     let verb = if replay { "replayed" } else { "purged" };
-    tracing::info!(target: "postbox::ui::audit", who = %who, action = verb, filter = ?f.filter.query(), done, skipped, "console action");
+    audit!(who, verb, filter = ?f.filter.query(), done, skipped);
     let message = format!(
         "{verb} {done} dead letters{}",
         if skipped > 0 {
@@ -176,11 +211,11 @@ async fn act_on(ui: &Ui, ids: &[i64], replay: bool) -> crate::Result<(usize, usi
     for chunk in ids.chunks(1000) {
         let selector = DeadSelector::Ids(chunk.to_vec());
         if replay {
-            let r = ui.store.dead_replay(&selector).await?;
+            let r = ui.act.dead_replay(&selector).await?;
             done += r.replayed.len();
             skipped += r.skipped.len();
         } else {
-            done += ui.store.dead_purge(&selector).await?;
+            done += ui.act.dead_purge(&selector).await?;
         }
     }
     Ok((done, skipped))
@@ -272,7 +307,7 @@ pub(super) async fn dead_pick(
         Err(e) => return database_error(&ui, &headers, e),
     };
     let verb = if replay { "replayed" } else { "purged" };
-    tracing::info!(target: "postbox::ui::audit", who = %who, action = verb, ids = ?ids, done, skipped, "console action");
+    audit!(who, verb, ids = ?ids, done, skipped);
     let gone = ids.len().saturating_sub(done + skipped);
     let message = format!(
         "{verb} {done} of {} picked dead letters{}{}",
@@ -321,7 +356,9 @@ async fn topic_act(ui: Arc<Ui>, headers: HeaderMap, f: TopicForm, pause: bool) -
         Ok(w) => w,
         Err(r) => return refuse(&ui, &headers, r),
     };
-    if f.topic.trim().is_empty() {
+    // The name exactly as posted: a topic may begin or end with a space, and `" ws.t"` is not
+    // `"ws.t"`.
+    if f.topic.is_empty() {
         return refuse(
             &ui,
             &headers,
@@ -331,18 +368,18 @@ async fn topic_act(ui: Arc<Ui>, headers: HeaderMap, f: TopicForm, pause: bool) -
             ),
         );
     }
-    let topics = vec![f.topic.trim().to_owned()];
+    let topics = vec![f.topic.clone()];
     let r = if pause {
-        ui.store.pause(&topics).await
+        ui.act.pause(&topics).await
     } else {
-        ui.store.resume(&topics).await
+        ui.act.resume(&topics).await
     };
     let n = match r {
         Ok(n) => n,
         Err(e) => return database_error(&ui, &headers, e),
     };
     let verb = if pause { "paused" } else { "resumed" };
-    tracing::info!(target: "postbox::ui::audit", who = %who, action = verb, topic = ?f.topic, "console action");
+    audit!(who, verb, topic = ?f.topic);
     let message = format!(
         "{verb} {}{}",
         f.topic,

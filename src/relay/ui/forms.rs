@@ -7,6 +7,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use serde_json::json;
 
+use super::actions::audit;
 use super::actions::may_act;
 use super::html::{self, esc};
 use super::{Csrf, Shared, Ui, answer, database_error, refuse};
@@ -95,15 +96,11 @@ pub(super) async fn cancel(
             bad("confirm: type the topic's name exactly to cancel all of it"),
         );
     }
-    let done = match ui
-        .store
-        .cancel(&CancelSelector::Topic(f.topic.clone()))
-        .await
-    {
+    let done = match ui.act.cancel(&CancelSelector::Topic(f.topic.clone())).await {
         Ok(d) => d,
         Err(e) => return database_error(&ui, &headers, e),
     };
-    tracing::info!(target: "postbox::ui::audit", who = %who, action = "cancelled", topic = ?f.topic, dead = done.dead, running = done.running, "console action");
+    audit!(who, "cancelled", topic = ?f.topic, dead = done.dead, running = done.running);
     super::done(
         &ui,
         &headers,
@@ -153,7 +150,7 @@ pub(super) async fn run_schedule(
         schedule.name(),
         &super::guard::new_csrf_token()[..16]
     ));
-    let id = match ui.store.enqueue(&msg).await {
+    let id = match ui.act.enqueue(&msg).await {
         Ok(crate::Enqueued::New(id)) => id,
         Ok(crate::Enqueued::Duplicate { .. }) => {
             return refuse(
@@ -167,7 +164,7 @@ pub(super) async fn run_schedule(
         }
         Err(e) => return database_error(&ui, &headers, e),
     };
-    tracing::info!(target: "postbox::ui::audit", who = %who, action = "ran schedule", schedule = %schedule.name(), id, "console action");
+    audit!(who, "ran schedule", schedule = ?schedule.name(), id);
     super::done(
         &ui,
         &headers,
@@ -289,7 +286,7 @@ pub(super) async fn enqueue(
             );
         }
     };
-    let id = match ui.store.enqueue(&msg).await {
+    let id = match ui.act.enqueue(&msg).await {
         Ok(crate::Enqueued::New(id)) => id,
         Ok(crate::Enqueued::Duplicate { existing }) => {
             return refuse(
@@ -303,7 +300,7 @@ pub(super) async fn enqueue(
         }
         Err(e) => return database_error(&ui, &headers, e),
     };
-    tracing::info!(target: "postbox::ui::audit", who = %who, action = "enqueued", topic = %msg.topic_name(), id, "console action");
+    audit!(who, "enqueued", topic = ?msg.topic_name(), id);
     let p = esc(&ui.settings.path_prefix);
     answer(
         &ui,

@@ -234,11 +234,14 @@ pub fn rows(
          <th>attempts</th><th>created</th><th>at</th><th>error</th><th>payload</th></tr></thead><tbody>",
     );
     for m in &page.rows {
-        let payload = m
-            .payload
-            .as_ref()
-            .map(|p| esc(&truncate(&p.to_string(), 120)))
-            .unwrap_or_else(|| "<span class=\"muted\">hidden</span>".into());
+        let payload = match (&m.payload, &m.payload_preview, m.payload_bytes) {
+            (Some(p), _, _) => esc(&truncate(&p.to_string(), 120)),
+            (None, Some(p), _) => esc(&truncate(p, 120)),
+            (None, None, Some(bytes)) => {
+                format!("<span class=\"muted\">{bytes} bytes: on its page</span>")
+            }
+            (None, None, None) => "<span class=\"muted\">hidden</span>".into(),
+        };
         out += "<tr>";
         if pick {
             let _ = write!(
@@ -302,6 +305,11 @@ fn truncate(s: &str, max: usize) -> String {
 }
 
 /// A `Filter` read from what the user typed, or the field that is wrong and why.
+/// Topics or patterns one filter may name.
+pub const FILTER_TOPICS_MAX: usize = 20;
+/// Bytes one field of a filter may hold.
+pub const FILTER_FIELD_MAX: usize = 4096;
+
 pub fn parse_filter(f: &FilterText) -> Result<Filter, String> {
     let id = |name: &str, v: &str| -> Result<Option<i64>, String> {
         if v.trim().is_empty() {
@@ -338,15 +346,25 @@ pub fn parse_filter(f: &FilterText) -> Result<Filter, String> {
         ("headers", &f.headers),
     ] {
         no_nul(name, v)?;
+        if v.len() > FILTER_FIELD_MAX {
+            return Err(format!("{name}: at most {FILTER_FIELD_MAX} bytes"));
+        }
+    }
+    // Names as stored: a topic may begin or end with a space (only empty names between commas are
+    // dropped).
+    let topics: Vec<String> = f
+        .topic
+        .split(',')
+        .filter(|t| !t.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if topics.len() > FILTER_TOPICS_MAX {
+        return Err(format!(
+            "topic: at most {FILTER_TOPICS_MAX} topics or patterns (each costs a pass over the rows a page reads)"
+        ));
     }
     let filter = Filter {
-        topics: f
-            .topic
-            .split(',')
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
-            .map(str::to_owned)
-            .collect(),
+        topics,
         state: Some(f.state.trim().to_owned()).filter(|s| !s.is_empty()),
         key: Some(f.key.clone()).filter(|s| !s.is_empty()),
         min_id: id("min_id", &f.min_id)?,

@@ -33,7 +33,12 @@ pub const ACT_MAX: i64 = 100_000;
 pub(super) const PAGE_DEFAULT: usize = 50;
 
 pub(super) struct Ui {
+    /// The pages' connections: the console's own (`[ui] pool_size`), each statement ended after
+    /// `[ui] statement_timeout`.
     store: Store,
+    /// The actions' connection (one; a statement may run a minute): taken only by a request that
+    /// showed the token.
+    act: Store,
     settings: UiSettings,
     relay: RelayView,
     rates: Arc<rates::Rates>,
@@ -55,13 +60,36 @@ pub struct RelayView {
 
 pub(super) type Shared = State<Arc<Ui>>;
 
-/// Serves the console on `settings.listen` until `stop`.
+/// How long a page waits for one of the console's connections before it answers 503.
+const CHECKOUT: std::time::Duration = std::time::Duration::from_secs(2);
+/// The limit on one statement of an action (replay or purge of up to [`ACT_MAX`]).
+const ACTION_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Serves the console on `settings.listen` until `stop`. It opens connections of its own to
+/// `database_url` (`[ui] pool_size` for the pages, one for the actions): whatever its clients ask,
+/// it never takes the delivery's.
 pub async fn serve_ui(
     settings: UiSettings,
-    store: Store,
+    database_url: &str,
     relay: RelayView,
     stop: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>> {
+    let store = Store::connect_bounded(
+        database_url,
+        settings.pool_size,
+        settings.statement_timeout,
+        CHECKOUT,
+        "postbox console",
+    )
+    .await?;
+    let act = Store::connect_bounded(
+        database_url,
+        1,
+        ACTION_TIMEOUT,
+        CHECKOUT,
+        "postbox console action",
+    )
+    .await?;
     let addr = settings.listen;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -73,6 +101,7 @@ pub async fn serve_ui(
     }
     let state = Arc::new(Ui {
         store,
+        act,
         settings,
         relay,
         rates,
@@ -99,6 +128,11 @@ pub async fn serve_ui(
         .route("/enqueue", get(forms::enqueue_form).post(forms::enqueue))
         .fallback(|| async { (StatusCode::NOT_FOUND, "no such page\n") })
         .with_state(state);
+    // A form's body is read only from a client that showed the token, within a deadline.
+    let pages = pages.layer(axum::middleware::from_fn_with_state(
+        state_for_hosts.clone(),
+        guard_body,
+    ));
     // Against DNS rebinding: a page of another site whose name resolves to this address names
     // its own host, which is not one of ours.
     let pages = pages.layer(axum::middleware::from_fn_with_state(
@@ -112,6 +146,70 @@ pub async fn serve_ui(
     };
     tracing::info!(%addr, prefix = %prefix, "console listening");
     Ok(tokio::spawn(super::serve::serve(listener, app, stop)))
+}
+
+/// The most a form's body may hold.
+pub const BODY_MAX: usize = 64 * 1024;
+/// The longest a client may take to send a form's body (a trickled body is cut off).
+pub const BODY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Before a form's body is read: actions must be on and the request must carry the token (a
+/// client without it never holds a connection open by trickling a body); then the body is read
+/// within [`BODY_DEADLINE`] and [`BODY_MAX`]. The handler checks the rest (the same site, the
+/// CSRF token) as before.
+async fn guard_body(
+    State(ui): State<Arc<Ui>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if request.method() != axum::http::Method::POST {
+        return next.run(request).await;
+    }
+    let headers = request.headers().clone();
+    if !ui.settings.actions {
+        return refuse(
+            &ui,
+            &headers,
+            (
+                StatusCode::FORBIDDEN,
+                "the console is read-only ([ui] actions = false)".into(),
+            ),
+        );
+    }
+    let token = ui.settings.token.as_deref().unwrap_or_default();
+    if let Err(r) = guard::authenticate(&headers, token) {
+        return refuse(&ui, &headers, r);
+    }
+    let (parts, body) = request.into_parts();
+    let bytes =
+        match tokio::time::timeout(BODY_DEADLINE, axum::body::to_bytes(body, BODY_MAX)).await {
+            Ok(Ok(b)) => b,
+            Ok(Err(_)) => {
+                return refuse(
+                    &ui,
+                    &headers,
+                    (
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        format!("a form's body holds at most {BODY_MAX} bytes"),
+                    ),
+                );
+            }
+            Err(_) => {
+                return refuse(
+                    &ui,
+                    &headers,
+                    (
+                        StatusCode::REQUEST_TIMEOUT,
+                        format!("the form's body took longer than {BODY_DEADLINE:?} to arrive"),
+                    ),
+                );
+            }
+        };
+    next.run(axum::extract::Request::from_parts(
+        parts,
+        axum::body::Body::from(bytes),
+    ))
+    .await
 }
 
 /// Refuses (421) a request whose `Host` is not one of `[ui] allowed_hosts`.
@@ -194,9 +292,16 @@ pub(super) fn answer(
         } else {
             &ui.settings.path_prefix
         };
+        // Behind a proxy that terminated TLS, the cookie is for HTTPS only. (No `__Host-`
+        // prefix: it needs `Path=/`, which a console under a path prefix cannot set.)
+        let secure = headers
+            .get("x-forwarded-proto")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("https"));
         let cookie = format!(
-            "{CSRF_COOKIE}={}; Path={path}; HttpOnly; SameSite=Strict",
-            csrf.value
+            "{CSRF_COOKIE}={}; Path={path}; HttpOnly; SameSite=Strict{}",
+            csrf.value,
+            if secure { "; Secure" } else { "" }
         );
         if let Ok(v) = cookie.parse() {
             response.headers_mut().insert(header::SET_COOKIE, v);
@@ -255,6 +360,17 @@ pub(super) fn database_error(ui: &Ui, headers: &HeaderMap, e: crate::Error) -> R
         crate::Error::InvalidArgument { .. } => {
             refuse(ui, headers, (StatusCode::BAD_REQUEST, e.to_string()))
         }
+        crate::Error::Pool(_) => refuse(
+            ui,
+            headers,
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "the console is busy: its {} database connections are in use ([ui] pool_size); try again",
+                    ui.settings.pool_size
+                ),
+            ),
+        ),
         e => {
             tracing::warn!(error = %e, "console: the database failed");
             refuse(

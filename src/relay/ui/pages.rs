@@ -9,6 +9,16 @@ use super::html::{self, FilterText, esc, parse_filter};
 use super::{ACT_MAX, Csrf, PAGE_DEFAULT, Shared, answer, database_error, refuse};
 use crate::store::browse::{Filter, PAGE_MAX};
 
+/// The pause that holds `topic`: its own name if it is paused by name, else the first pattern
+/// that matches it (the claims' own rule).
+fn paused_by<'a>(paused: &'a [String], topic: &str) -> Option<&'a String> {
+    paused.iter().find(|p| p.as_str() == topic).or_else(|| {
+        paused
+            .iter()
+            .find(|p| crate::store::Topics::only([p.as_str()]).matches(topic))
+    })
+}
+
 pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response {
     let csrf = Csrf::of(&headers);
     let slot = async {
@@ -89,16 +99,18 @@ pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response 
                 q = esc(&html::url_value(&t.topic)),
             )
         } else {
-            let (verb, label) = if is_paused {
-                ("resume", "Resume")
-            } else {
-                ("pause", "Pause")
+            // A paused topic resumes by the pause that holds it: its name, or the pattern.
+            let (verb, label, name) = match paused_by(&paused, &t.topic) {
+                Some(pattern) if pattern == &t.topic => ("resume", "Resume".to_owned(), pattern),
+                Some(pattern) => ("resume", format!("Resume {pattern}"), pattern),
+                None => ("pause", "Pause".to_owned(), &t.topic),
             };
             format!(
                 "<form method=\"post\" action=\"{p}/topics/{verb}\"><input type=\"hidden\" name=\"topic\" value=\"{t}\">\
                  <input type=\"hidden\" name=\"csrf\" value=\"{c}\"><button>{label}</button></form> \
                  <a href=\"{p}/topics/cancel?topic={q}\">Cancel all…</a>",
-                t = esc(&t.topic),
+                t = esc(name),
+                label = esc(&label),
                 c = esc(&csrf.value),
                 q = esc(&html::url_value(&t.topic)),
             )
@@ -145,6 +157,31 @@ pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response 
         rows_json.push(row);
     }
     body += "</tbody></table>";
+    // Every pause, with its own Resume, and a pause by name: a topic (or pattern) the table does
+    // not list (a large table's counts are sampled, and a small topic can be missed) is paused and
+    // resumed all the same.
+    if ui.settings.actions {
+        body += "<h2>Pauses</h2>";
+        if paused.is_empty() {
+            body += "<p class=\"muted\">Nothing is paused.</p>";
+        } else {
+            body += "<ul>";
+            for pattern in &paused {
+                body += &format!(
+                    "<li><code>{t}</code> <form method=\"post\" action=\"{p}/topics/resume\"><input type=\"hidden\" name=\"topic\" value=\"{t}\">\
+                     <input type=\"hidden\" name=\"csrf\" value=\"{c}\"><button>Resume</button></form></li>",
+                    t = esc(pattern),
+                    c = esc(&csrf.value),
+                );
+            }
+            body += "</ul>";
+        }
+        body += &format!(
+            "<form method=\"post\" action=\"{p}/topics/pause\"><label>Topic or pattern <input name=\"topic\" required></label>\
+             <input type=\"hidden\" name=\"csrf\" value=\"{c}\"><button>Pause</button></form>",
+            c = esc(&csrf.value),
+        );
+    }
     if !stalled.is_empty() {
         body += "<h2>Stalled keys</h2><table><thead><tr><th>topic</th><th>key</th><th>head</th><th>attempts</th><th>behind</th><th>last error</th></tr></thead><tbody>";
         for s in &stalled {
@@ -267,6 +304,9 @@ pub(super) async fn messages(
     )
 }
 
+/// The longest payload (bytes of JSON text) a message's page carries.
+pub(super) const MESSAGE_PAYLOAD_MAX: usize = 1024 * 1024;
+
 pub(super) async fn message(
     State(ui): Shared,
     headers: HeaderMap,
@@ -283,7 +323,7 @@ pub(super) async fn message(
             ),
         );
     };
-    let shown = match ui.store.show(id).await {
+    let (shown, omitted) = match ui.store.show_bounded(id, Some(MESSAGE_PAYLOAD_MAX)).await {
         Ok(Some(s)) => s,
         Ok(None) => {
             return refuse(
@@ -300,10 +340,14 @@ pub(super) async fn message(
         Err(e) => return database_error(&ui, &headers, e),
     };
     let mut value = serde_json::to_value(&shown).unwrap_or_default();
-    if !ui.settings.show_payloads
-        && let Some(o) = value.as_object_mut()
-    {
-        o.insert("payload".into(), json!(null));
+    if let Some(o) = value.as_object_mut() {
+        if !ui.settings.show_payloads {
+            o.insert("payload".into(), json!(null));
+        } else if let Some(bytes) = omitted {
+            // Too large to carry here: its size, and where to read it whole.
+            o.insert("payload".into(), json!(null));
+            o.insert("payload_omitted_bytes".into(), json!(bytes));
+        }
     }
     let mut body = String::from("<table><tbody>");
     if let Some(o) = value.as_object() {
@@ -313,6 +357,10 @@ pub(super) async fn message(
                 serde_json::Value::Null if k == "payload" && !ui.settings.show_payloads => {
                     "<span class=\"muted\">hidden</span>".into()
                 }
+                serde_json::Value::Null if k == "payload" && omitted.is_some() => format!(
+                    "<span class=\"muted\">{} bytes: larger than the console shows (1 MiB); <code>postbox show {id}</code> prints it</span>",
+                    omitted.unwrap_or_default()
+                ),
                 v if v.is_object() || v.is_array() => format!(
                     "<pre>{}</pre>",
                     esc(&serde_json::to_string_pretty(v).unwrap_or_default())
@@ -436,6 +484,17 @@ pub(super) async fn dead_confirm(
     headers: HeaderMap,
     Query(q): Query<ConfirmQuery>,
 ) -> Response {
+    if !ui.settings.actions {
+        // It counts what an action would act on: no actions, nothing to count.
+        return refuse(
+            &ui,
+            &headers,
+            (
+                StatusCode::NOT_FOUND,
+                "actions are off here ([ui] actions = false)".into(),
+            ),
+        );
+    }
     let csrf = Csrf::of(&headers);
     let (verb, label) = match super::actions::is_replay(&q.action) {
         Ok(true) => ("replay", "Replay"),
