@@ -24,6 +24,7 @@ pub mod postbox {
             last_error -> Nullable<Text>,
             reason -> Text,
             dead_at -> Timestamptz,
+            stream_id -> Nullable<Text>,
         }
     }
 

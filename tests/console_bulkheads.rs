@@ -512,3 +512,39 @@ fn a_token_with_a_line_break_and_a_spaced_password_are_handled() {
         assert!(!text.contains("secret"), "{text}");
     }
 }
+
+/// A claim that waits on a lock of the table shows as a stall of its route in the metrics
+/// (`PostboxDeliveryStalled` fires on it), and goes back to 0 once it goes through.
+#[test]
+fn a_claim_stuck_on_a_lock_shows_as_a_stalled_route() {
+    let db = TestDb::migrated();
+    let relay = Relay::start(&db, "");
+    let stalled = || -> f64 {
+        let (_, _, body) = request(
+            relay.metrics,
+            "GET",
+            "/metrics",
+            &[],
+            "",
+            Duration::from_secs(5),
+        )
+        .unwrap_or_default();
+        body.lines()
+            .find(|l| l.starts_with("postbox_claim_stalled_seconds{sink=\"log\"}"))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(-1.0)
+    };
+    assert!(common::relay::wait(Duration::from_secs(20), || stalled() == 0.0));
+    let mut migration = db.conn();
+    use diesel::connection::SimpleConnection;
+    migration
+        .batch_execute("BEGIN; LOCK TABLE postbox.messages IN ACCESS EXCLUSIVE MODE")
+        .unwrap();
+    assert!(
+        common::relay::wait(Duration::from_secs(30), || stalled() >= 2.0),
+        "the stuck claim never showed: {}",
+        stalled()
+    );
+    migration.batch_execute("ROLLBACK").unwrap();
+    assert!(common::relay::wait(Duration::from_secs(30), || stalled() == 0.0));
+}

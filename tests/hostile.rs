@@ -228,8 +228,12 @@ async fn shutdown_keeps_its_deadline_while_a_claim_waits_on_a_table_lock() {
         .unwrap();
     let took = started.elapsed();
     eprintln!("shutdown with a claim waiting on a table lock took {took:?}");
-    // The deadline (1 s), then at most the window of the last writes (5 s).
-    assert!(took < Duration::from_secs(8), "shutdown took {took:?}");
+    // The deadline (1 s), then the window of the last writes, cut by the hard stop at 2 s: the
+    // engine returns within a second of it (the promise), whatever the table lock does.
+    assert!(
+        took < Duration::from_millis(3_000 + 500),
+        "shutdown took {took:?} (hard stop at 2 s)"
+    );
     migration.batch_execute("ROLLBACK").unwrap();
 }
 

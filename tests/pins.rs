@@ -438,3 +438,210 @@ async fn a_release_racing_a_cancels_mark_dead_letters_the_head_and_promotes_its_
 async fn a_retry_racing_a_cancels_mark_dead_letters_the_head_and_promotes_its_key() {
     settle_racing_a_cancel(true).await;
 }
+
+/// A writer's message may carry any header, `postbox-stream-id` included: two of its messages
+/// with the same one are both dead-lettered, and a rescue batch they fall into goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writers_stream_id_header_cannot_stop_dead_lettering_or_rescues() {
+    let db = TestDb::migrated();
+    let store = impatient(&db).await;
+    db.exec(
+        "INSERT INTO postbox.messages (topic, headers, max_attempts)
+         VALUES ('x', '{\"postbox-stream-id\": \"s1\"}', 1), ('x', '{\"postbox-stream-id\": \"s1\"}', 1),
+                ('x', '{\"postbox-stream-id\": \"s1\"}', 1), ('y', '{}', 1)",
+    );
+    let got = claim(&store, "x", 3).await;
+    let dead = store
+        .dead_letter(&[postbox::store::Dead {
+            lease: got[0].lease(),
+            reason: "refused".into(),
+        }])
+        .await
+        .unwrap();
+    assert_eq!(dead.done, [got[0].id]);
+    let r = store
+        .retry(&[Retry {
+            lease: got[1].lease(),
+            error: "failed".into(),
+            delay: None,
+        }])
+        .await
+        .expect("a second message with the header is dead-lettered too");
+    assert_eq!(r.dead, [got[1].id]);
+    // The third, and another topic's message, expire together: the rescue takes both.
+    let other = claim(&store, "y", 1).await;
+    db.exec("UPDATE postbox.messages SET locked_until = now() - interval '1 second' WHERE state = 'running'");
+    let r = store.rescue_expired().await.expect("the rescue goes on");
+    let mut dead = r.dead.clone();
+    dead.sort_unstable();
+    assert_eq!(dead, [got[2].id, other[0].id]);
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters"),
+        4
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters WHERE stream_id IS NOT NULL"),
+        0
+    );
+}
+
+/// A thousand heads kept for one open bulk writer do not hide a head whose writer is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heads_kept_for_an_open_writer_hide_no_other_key_from_the_finish() {
+    let db = TestDb::migrated();
+    let store = impatient(&db).await;
+    let heads: Vec<Message> = (0..1100).map(|i| ord("t", &format!("b{i}"))).collect();
+    enqueue(&db, heads);
+    let victim = enqueue(&db, vec![ord("t", "victim"), ord("t", "victim")]);
+    let mut bulk = PgConnection::establish(&db.url).unwrap();
+    bulk.batch_execute("BEGIN").unwrap();
+    postbox::enqueue_many(
+        &mut bulk,
+        &(0..1100)
+            .map(|i| ord("t", &format!("b{i}")))
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let mut writer = PgConnection::establish(&db.url).unwrap();
+    writer.batch_execute("BEGIN").unwrap();
+    postbox::enqueue(&mut writer, &ord("t", "victim")).unwrap();
+    // Every head delivered: all kept (the bulk writer's 1,100 first, in the claim's order).
+    loop {
+        let got = claim(&store, "t", 500).await;
+        if got.is_empty() {
+            break;
+        }
+        let leases: Vec<_> = got.iter().map(|m| m.lease()).collect();
+        store.complete(&leases).await.unwrap();
+    }
+    assert_eq!(state(&db, victim[0]), "kept");
+    writer.batch_execute("COMMIT").unwrap();
+    let f = store.finish_heads().await.unwrap();
+    assert_eq!((f.finished, f.still_kept), (1, 1100));
+    assert_eq!(ids(&claim(&store, "t", 10).await), [victim[1]]);
+    bulk.batch_execute("ROLLBACK").unwrap();
+}
+
+/// Writers of unrelated keys never wait for each other, whatever their keys hash to: a writer
+/// that pinned a head is not held (and that head kept) by another key's writer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writers_of_unrelated_keys_never_wait_for_each_other() {
+    let db = TestDb::migrated();
+    // Keys that shared a writer slot of the 256 the writer locks once were.
+    let same_slot = (0..100_000)
+        .map(|i| format!("x{i}"))
+        .find(|k| {
+            db.scalar(&format!(
+                "SELECT (postbox.key_lock_id('t', 'a') = postbox.key_lock_id('t', '{k}'))::int::bigint AS v"
+            )) == 1
+        })
+        .unwrap();
+    let mut one = PgConnection::establish(&db.url).unwrap();
+    one.batch_execute("BEGIN").unwrap();
+    postbox::enqueue(&mut one, &ord("t", "a")).unwrap();
+    let mut two = PgConnection::establish(&db.url).unwrap();
+    two.batch_execute("BEGIN; SET LOCAL lock_timeout = 500")
+        .unwrap();
+    postbox::enqueue(&mut two, &ord("t", &same_slot)).expect("no wait for another key's writer");
+    two.batch_execute("COMMIT").unwrap();
+    one.batch_execute("COMMIT").unwrap();
+}
+
+/// A cancel that chose a key's replayed message (locking it) and waits for the head a held
+/// batch delivers, and that batch's end, which would promote the replayed message: no deadlock,
+/// the held batch ends, the cancel takes the message, the key goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_and_a_held_batchs_end_do_not_deadlock_over_a_key() {
+    let db = TestDb::migrated();
+    let store = db.store().await;
+    let ids0 = enqueue(&db, vec![ord("t", "a"), ord("t", "a"), ord("t", "a")]);
+    let (r, m, last) = (ids0[0], ids0[1], ids0[2]);
+    // R to the dead letters (M is the head), a held batch takes M, R is replayed behind it.
+    store.cancel(&CancelSelector::Ids(vec![r])).await.unwrap();
+    let hold = store
+        .take(10, Duration::from_secs(30), &Topics::exact(["t"]), None, 0)
+        .await
+        .unwrap()
+        .unwrap();
+    store.register_hold(&hold).await.unwrap();
+    assert_eq!(ids(&hold.messages), [m]);
+    let replayed = store
+        .dead_replay(&postbox::store::DeadSelector::Ids(vec![r]))
+        .await
+        .unwrap();
+    assert_eq!(replayed.replayed, [r]);
+    // The operator cancels topic t: it locks R, then waits for M.
+    let s = store.clone();
+    let cancel = tokio::spawn(async move { s.cancel(&CancelSelector::Topic("t".into())).await });
+    let waiting = "SELECT count(*) AS v FROM pg_stat_activity
+        WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            db.scalar(waiting) >= 1
+        })
+        .await
+    );
+    let (ended, _) = store
+        .end_hold(hold, &[m], &[], LEASE, 0)
+        .await
+        .expect("the held batch ends");
+    assert_eq!(ended.deleted, 1);
+    let c = cancel.await.unwrap().expect("the cancel ends");
+    assert_eq!(c.dead, 2, "R and the last message");
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) AS v FROM postbox.dead_letters WHERE id IN ({r}, {last}) AND reason = 'cancelled'"
+        )),
+        2
+    );
+    assert_clean(&store).await;
+}
+
+/// A held batch that delivered a key's pinned head and leased the follower it did not deliver:
+/// the kept head and the leased follower are no double head.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_head_beside_a_follower_leased_at_a_holds_end_is_no_double_head() {
+    let db = TestDb::migrated();
+    let store = impatient(&db).await;
+    let k = enqueue(&db, vec![ord("t", "k"), ord("t", "k"), ord("t", "k")]);
+    let hold = store
+        .take(1, Duration::from_secs(30), &Topics::exact(["t"]), None, 2)
+        .await
+        .unwrap()
+        .unwrap();
+    store.register_hold(&hold).await.unwrap();
+    assert_eq!(ids(&hold.followers), [k[1], k[2]]);
+    let mut writer = PgConnection::establish(&db.url).unwrap();
+    writer.batch_execute("BEGIN").unwrap();
+    postbox::enqueue(&mut writer, &ord("t", "k")).unwrap();
+    store
+        .end_hold(hold, &[k[0], k[1]], &[k[2]], LEASE, 0)
+        .await
+        .unwrap();
+    assert_eq!(state(&db, k[0]), "kept");
+    assert_eq!(state(&db, k[2]), "running");
+    assert_clean(&store).await;
+    writer.batch_execute("COMMIT").unwrap();
+    store.finish_heads().await.unwrap();
+    assert_clean(&store).await;
+}
+
+/// A head in backoff that a writer pins is made due all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_head_in_backoff_is_made_due() {
+    let db = TestDb::migrated();
+    let store = impatient(&db).await;
+    let k = enqueue(&db, vec![ord("t", "k").delay(Duration::from_millis(100))]);
+    let mut writer = PgConnection::establish(&db.url).unwrap();
+    writer.batch_execute("BEGIN").unwrap();
+    postbox::enqueue(&mut writer, &ord("t", "k")).unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            store.promote_due().await.unwrap().promoted == 1
+        })
+        .await
+    );
+    assert_eq!(ids(&claim(&store, "t", 10).await), [k[0]]);
+    writer.batch_execute("ROLLBACK").unwrap();
+}

@@ -9,6 +9,10 @@ use crate::error::{Error, Result};
 /// shutdown ends anyway and leaves them to lease expiry.
 pub(crate) const SHUTDOWN_WRITE_WINDOW: Duration = Duration::from_secs(5);
 
+/// After a hard stop (a second signal), how long the last writes may still take: the engine
+/// returns within about this much of it, whatever the database does.
+pub(crate) const HARD_STOP_GRACE: Duration = Duration::from_millis(500);
+
 /// Messages per claim when the builder is not told otherwise.
 pub const DEFAULT_BATCH_SIZE: usize = 100;
 /// Claim loops per engine. One keeps up with a 2-core database here (measured: 2 loops drained no

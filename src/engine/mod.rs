@@ -508,11 +508,29 @@ impl Engine {
         // deadline plus that window even when the database is down or the table is locked: what
         // is not written by then is left to lease expiry (at least once still holds).
         let writes_by = tokio::time::Instant::now() + config::SHUTDOWN_WRITE_WINDOW;
+        // The window closes at its end, or HARD_STOP_GRACE after a hard stop (now or during it):
+        // a second signal hands back now, whatever the database does.
+        let cut = CancellationToken::new();
+        let closer = {
+            let (cut, hard_stop) = (cut.clone(), hard_stop.clone());
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(writes_by) => {}
+                    _ = async {
+                        hard_stop.cancelled().await;
+                        tokio::time::sleep(config::HARD_STOP_GRACE).await;
+                    } => {}
+                }
+                cut.cancel();
+            })
+        };
+        let within = |cut: &CancellationToken| cut.clone().cancelled_owned();
         let mut completer = completer;
-        if tokio::time::timeout_at(writes_by, &mut completer)
-            .await
-            .is_err()
-        {
+        let written = tokio::select! {
+            _ = &mut completer => true,
+            _ = within(&cut) => false,
+        };
+        if !written {
             tracing::warn!("outcomes still unwritten at the end of shutdown; left to lease expiry");
             completer.abort();
             // Its flushes end with it (they are its tasks); anything they hand over from now on
@@ -539,15 +557,22 @@ impl Engine {
                     .await;
             }
         };
-        if tokio::time::timeout_at(writes_by, hand_back).await.is_err() {
+        let handed_back = tokio::select! {
+            _ = hand_back => true,
+            _ = within(&cut) => false,
+        };
+        if !handed_back {
             tracing::warn!(
                 "could not hand back in-flight messages in time; their leases will expire"
             );
         }
         // Holds that ended without a commit (this process's, cut off by the deadline, or another
         // relay's that exited): counted now rather than on some relay's next rescue tick.
-        if let Ok(Err(e)) = tokio::time::timeout_at(writes_by, self.store.lost_holds()).await {
-            tracing::debug!(error = %e, "could not look for lost holds at shutdown");
+        tokio::select! {
+            r = self.store.lost_holds() => if let Err(e) = r {
+                tracing::debug!(error = %e, "could not look for lost holds at shutdown");
+            },
+            _ = within(&cut) => {}
         }
         background.cancel();
         // A background service in a statement (waiting on a lock, or on a silent connection)
@@ -559,10 +584,19 @@ impl Engine {
         services.extend(notifier_task);
         let until = writes_by.max(tokio::time::Instant::now() + Duration::from_secs(1));
         for mut service in services {
-            if tokio::time::timeout_at(until, &mut service).await.is_err() {
+            let ended = tokio::select! {
+                _ = &mut service => true,
+                _ = tokio::time::sleep_until(until) => false,
+                _ = async {
+                    hard_stop.cancelled().await;
+                    cut.cancelled().await;
+                } => false,
+            };
+            if !ended {
                 service.abort();
             }
         }
+        closer.abort();
         Ok(self.counters.snapshot())
     }
 

@@ -36,6 +36,10 @@ pub trait Observer: Send + Sync + 'static {
     fn lease_lost(&self, _n: usize) {}
     /// The rescuer gave `n` stranded ordered keys their head again (see `Store::repair`).
     fn keys_repaired(&self, _n: usize) {}
+    /// A claim of the route of `sink` was sent to the database.
+    fn claim_started(&self, _sink: &str) {}
+    /// That claim came back: `ok`, or with an error (the database away, the pool exhausted).
+    fn claim_ended(&self, _sink: &str, _ok: bool) {}
     /// The engine of `sink` is making progress: a claim loop went round, or the completer wrote
     /// (or is retrying while the database is away). Liveness probes watch for its absence.
     fn alive(&self, _sink: &str) {}
@@ -135,6 +139,12 @@ impl Observer for Counting {
     }
     fn keys_repaired(&self, n: usize) {
         self.inner.keys_repaired(n);
+    }
+    fn claim_started(&self, sink: &str) {
+        self.inner.claim_started(sink);
+    }
+    fn claim_ended(&self, sink: &str, ok: bool) {
+        self.inner.claim_ended(sink, ok);
     }
     fn alive(&self, sink: &str) {
         self.inner.alive(sink);

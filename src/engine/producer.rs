@@ -382,10 +382,12 @@ impl Producer {
             // Drain mode ends only on an empty claim made after every outcome was written (an
             // outcome can make messages claimable: a retry due now, the next of an ordered key).
             let idle_before = self.idle(&tasks);
-            let got = match self
+            self.observer.claim_started(self.sink.name());
+            let claimed = self
                 .claim(want, chunk, &mut reserved, &mut tasks, &mut cursor)
-                .await
-            {
+                .await;
+            self.observer.claim_ended(self.sink.name(), claimed.is_ok());
+            let got = match claimed {
                 Ok(got) => {
                     db_pause = Duration::from_millis(100);
                     claims_failing = false;

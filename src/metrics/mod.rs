@@ -15,6 +15,7 @@ use prometheus::{
 use crate::engine::{Observer, Settlement};
 use crate::store::{SampleRow, Topics};
 
+mod claims;
 mod console;
 mod stream;
 mod topics;
@@ -66,6 +67,7 @@ pub struct Metrics {
     /// Which topics have series of their own (the others count under [`OTHER`]).
     topics: Mutex<TopicLabels>,
     stream: stream::StreamMetrics,
+    claims: claims::ClaimStalls,
 }
 
 fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -294,6 +296,7 @@ impl Metrics {
             sinks: sinks.iter().map(|s| (*s).to_owned()).collect(),
             topics: Mutex::new(TopicLabels::new(max_topics)),
             stream: stream::StreamMetrics::register(&r),
+            claims: claims::ClaimStalls::register(&r, sinks),
             registry: r,
         };
         let build = gauge_vec(
@@ -313,6 +316,7 @@ impl Metrics {
 
     /// The text exposition format.
     pub fn render(&self) -> String {
+        self.claims.update(std::time::Instant::now());
         let mut buf = Vec::new();
         TextEncoder::new()
             .encode(&self.registry.gather(), &mut buf)
@@ -575,6 +579,14 @@ impl Observer for Metrics {
             .set(next.timestamp_millis() as f64 / 1000.0);
     }
 
+    fn claim_started(&self, sink: &str) {
+        self.claims.started(sink);
+    }
+
+    fn claim_ended(&self, sink: &str, ok: bool) {
+        self.claims.ended(sink, ok);
+    }
+
     fn alive(&self, sink: &str) {
         let now = std::time::Instant::now();
         let mut alive = self.alive.lock().expect("alive lock");
@@ -592,6 +604,33 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
+
+    #[test]
+    fn a_claim_that_waits_or_keeps_failing_shows_as_a_stall() {
+        let m = Metrics::new(&["kafka"]);
+        let t0 = Instant::now();
+        assert_eq!(m.claims.seconds("kafka", t0), 0.0, "no claim yet");
+        m.claim_started("kafka");
+        assert!(m.claims.seconds("kafka", t0 + Duration::from_secs(30)) >= 29.0);
+        m.claim_ended("kafka", true);
+        assert_eq!(m.claims.seconds("kafka", Instant::now()), 0.0);
+        m.claim_started("kafka");
+        m.claim_ended("kafka", false);
+        m.claim_started("kafka");
+        m.claim_ended("kafka", false);
+        assert!(
+            m.claims
+                .seconds("kafka", Instant::now() + Duration::from_secs(45))
+                >= 44.0
+        );
+        m.claim_started("kafka");
+        m.claim_ended("kafka", true);
+        assert_eq!(m.claims.seconds("kafka", Instant::now()), 0.0);
+        assert!(
+            m.render()
+                .contains("postbox_claim_stalled_seconds{sink=\"kafka\"} 0")
+        );
+    }
 
     #[test]
     fn not_alive_once_an_engine_makes_no_progress_for_the_stall_limit() {

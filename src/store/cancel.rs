@@ -29,13 +29,17 @@ pub struct Cancelled {
 }
 
 /// The messages chosen, locked (a held batch that has them is waited for: at most its hold
-/// limit; a writer's pin on a head is not: see the migration `head_pins`).
+/// limit; a writer's pin on a head is not: see the migration `head_pins`). Heads first, then the
+/// waiting messages: a held batch whose end promotes the next message of its key must not find it
+/// locked by a cancel that waits for the batch's head (a deadlock).
 const CHOOSE: &str = "SELECT id FROM postbox.messages
 WHERE id = ANY($1::bigint[]) OR ($2::text IS NOT NULL AND topic = $2)
-ORDER BY id FOR NO KEY UPDATE";
+ORDER BY state = 'waiting', id FOR NO KEY UPDATE";
 
-/// Those not running, to the dead letters; the heads among them (not kept for a writer of their
-/// key), for the promotion of their keys.
+/// Those not running, to the dead letters; their ordered keys for the promotion: after each head
+/// taken out (not kept for a writer of its key), and of a key whose waiting messages were taken
+/// while its head was gone (a held batch's end that met this cancel's lock on its next message
+/// left the key to it: `ids` NULL, promoted if it has no head).
 const BURY: &str = concat!(
     "WITH ",
     take_out_cte!(
@@ -53,9 +57,9 @@ buried AS (
     RETURNING id
 )
 SELECT (SELECT count(*) FROM buried) AS n, count(*) FILTER (WHERE kept) AS kept,
-       array_agg(topic) FILTER (WHERE ordered AND state <> 'waiting' AND NOT kept) AS topics,
-       array_agg(key) FILTER (WHERE ordered AND state <> 'waiting' AND NOT kept) AS keys,
-       array_agg(id) FILTER (WHERE ordered AND state <> 'waiting' AND NOT kept) AS ids
+       array_agg(topic) FILTER (WHERE ordered AND NOT kept) AS topics,
+       array_agg(key) FILTER (WHERE ordered AND NOT kept) AS keys,
+       array_agg(CASE WHEN state <> 'waiting' THEN id END) FILTER (WHERE ordered AND NOT kept) AS ids
 FROM gone"
 );
 
@@ -81,8 +85,8 @@ struct Buried {
     topics: Option<Vec<String>>,
     #[diesel(sql_type = Nullable<Array<Text>>)]
     keys: Option<Vec<String>>,
-    #[diesel(sql_type = Nullable<Array<BigInt>>)]
-    ids: Option<Vec<i64>>,
+    #[diesel(sql_type = Nullable<Array<Nullable<BigInt>>>)]
+    ids: Option<Vec<Option<i64>>>,
 }
 
 #[derive(QueryableByName)]
@@ -127,7 +131,7 @@ impl Store {
                     diesel::sql_query(PROMOTE)
                         .bind::<Array<Text>, _>(t)
                         .bind::<Array<Text>, _>(k)
-                        .bind::<Array<BigInt>, _>(i)
+                        .bind::<Array<Nullable<BigInt>>, _>(i)
                         .get_result::<N>(conn)
                         .await?;
                 }

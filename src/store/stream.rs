@@ -268,12 +268,11 @@ impl Store {
                 Ok(diesel::sql_query(
                     "INSERT INTO postbox.dead_letters
                          (id, topic, key, ordered, payload, headers, priority, attempts,
-                          max_attempts, created_at, first_error, last_error, reason)
+                          max_attempts, created_at, first_error, last_error, reason, stream_id)
                      VALUES (nextval(pg_get_serial_sequence('postbox.messages', 'id')), $1, $2,
                              false, $3, $4 || jsonb_build_object('postbox-stream-id', $5::text),
-                             0, 1, 1, $6, $7, $7, $7)
-                     ON CONFLICT ((headers ->> 'postbox-stream-id'))
-                         WHERE headers ? 'postbox-stream-id' DO NOTHING",
+                             0, 1, 1, $6, $7, $7, $7, $5)
+                     ON CONFLICT (stream_id) WHERE stream_id IS NOT NULL DO NOTHING",
                 )
                 .bind::<Text, _>(topic)
                 .bind::<Nullable<Text>, _>(key)

@@ -97,7 +97,9 @@ CREATE FUNCTION postbox.check_invariants(p_limit integer DEFAULT 1000) RETURNS T
     (SELECT 'double_head'::text, h.topic, h.key,
             count(*)::text || ' heads: ' || string_agg(h.id::text || ' ' || h.state::text, ', ' ORDER BY h.id)
      FROM postbox.messages h
-     WHERE h.ordered AND h.state <> 'waiting'
+     -- A head kept for its writer (lease token 0) beside the next one a held batch leased is
+     -- no double head: it is delivered, and nothing is promoted past the writer's message.
+     WHERE h.ordered AND h.state <> 'waiting' AND h.lease_token IS DISTINCT FROM 0
      GROUP BY h.topic, h.key
      HAVING count(*) > 1
      LIMIT p_limit)
@@ -489,23 +491,23 @@ DECLARE
     v_ids bigint[];
     v_left integer;
 BEGIN
-    WITH done AS (
+    -- SKIP LOCKED before LIMIT: heads still pinned are passed over in the scan, however many,
+    -- and those whose writers are done are reached.
+    v_ids := ARRAY(
         SELECT id FROM postbox.messages
-        WHERE id = ANY(ARRAY(
-            (SELECT id FROM postbox.messages
-             WHERE state = 'running' AND locked_until = postbox.kept_head_lease() AND lease_token = 0
-             LIMIT p_limit)
-            UNION ALL
-            -- (One whose lease an operator's SQL moved: rescues leave it alone.)
-            (SELECT id FROM postbox.messages
-             WHERE state = 'running' AND locked_until < now() AND lease_token = 0
-             LIMIT p_limit)))
-          AND state = 'running' AND lease_token = 0
+        WHERE state = 'running' AND locked_until = postbox.kept_head_lease() AND lease_token = 0
         LIMIT p_limit
-        FOR UPDATE SKIP LOCKED
-    ),
-    gone AS (
-        DELETE FROM postbox.messages m USING done WHERE m.id = done.id
+        FOR UPDATE SKIP LOCKED);
+    IF cardinality(v_ids) < p_limit THEN
+        -- (One whose lease an operator's SQL moved: rescues leave it alone.)
+        v_ids := v_ids || ARRAY(
+            SELECT id FROM postbox.messages
+            WHERE state = 'running' AND locked_until < now() AND lease_token = 0
+            LIMIT p_limit - cardinality(v_ids)
+            FOR UPDATE SKIP LOCKED);
+    END IF;
+    WITH gone AS (
+        DELETE FROM postbox.messages m WHERE m.id = ANY(v_ids)
         RETURNING m.topic, m.key, m.id
     )
     SELECT array_agg(topic), array_agg(key), array_agg(id) INTO v_topics, v_keys, v_ids FROM gone;
@@ -553,6 +555,14 @@ CREATE FUNCTION postbox.key_lock_id(p_topic text, p_key text) RETURNS integer
     AS $$ SELECT hashtext(p_topic || E'\x1f' || p_key) & 255 $$;
 
 --
+-- Name: key_writer_lock(text, text); Type: FUNCTION; Schema: postbox; Owner: -
+--
+
+CREATE FUNCTION postbox.key_writer_lock(p_topic text, p_key text) RETURNS bigint
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$ SELECT hashtextextended(p_topic || E'\x1f' || p_key, 1886352244) $$;
+
+--
 -- Name: limit_topics(boolean, text[], text[]); Type: FUNCTION; Schema: postbox; Owner: -
 --
 
@@ -585,8 +595,8 @@ $$;
 CREATE FUNCTION postbox.lock_keys(p_topics text[], p_keys text[]) RETURNS bigint
     LANGUAGE sql
     AS $$
-    SELECT count(pg_advisory_xact_lock(1886352244, k.h))
-    FROM (SELECT DISTINCT postbox.key_lock_id(t, k) AS h FROM unnest(p_topics, p_keys) AS u(t, k) ORDER BY 1) k
+    SELECT count(pg_advisory_xact_lock(k.h))
+    FROM (SELECT DISTINCT postbox.key_writer_lock(t, k) AS h FROM unnest(p_topics, p_keys) AS u(t, k) ORDER BY 1) k
 $$;
 
 --
@@ -676,7 +686,7 @@ BEGIN
             current_setting('transaction_isolation')
             USING ERRCODE = 'feature_not_supported';
     END IF;
-    PERFORM pg_advisory_xact_lock(1886352244, postbox.key_lock_id(NEW.topic, NEW.key));
+    PERFORM pg_advisory_xact_lock(postbox.key_writer_lock(NEW.topic, NEW.key));
     -- 'keep': the trigger's WHEN found that the inserting role may insert ids (a replay).
     IF TG_ARGV[0] IS DISTINCT FROM 'keep' THEN
         NEW.id := nextval('postbox.messages_id_seq');
@@ -1054,7 +1064,7 @@ BEGIN
         WHERE state = 'scheduled' AND run_at <= now()
         ORDER BY run_at
         LIMIT p_limit
-        FOR UPDATE SKIP LOCKED
+        FOR NO KEY UPDATE SKIP LOCKED
     )
     UPDATE postbox.messages m SET state = 'available' FROM due WHERE m.id = due.id;
     GET DIAGNOSTICS v_n = ROW_COUNT;
@@ -1487,8 +1497,15 @@ CREATE TABLE postbox.dead_letters (
     first_error text,
     last_error text,
     reason text NOT NULL,
-    dead_at timestamp with time zone DEFAULT now() NOT NULL
+    dead_at timestamp with time zone DEFAULT now() NOT NULL,
+    stream_id text
 );
+
+--
+-- Name: COLUMN dead_letters.stream_id; Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON COLUMN postbox.dead_letters.stream_id IS 'postbox: the stream id of a message dead-lettered from stream mode (unique); NULL for a table message';
 
 --
 -- Name: grants; Type: TABLE; Schema: postbox; Owner: -
@@ -1689,10 +1706,10 @@ CREATE INDEX completed_id_idx ON ONLY postbox.completed USING brin (id);
 CREATE INDEX dead_letters_dead_at_idx ON postbox.dead_letters USING btree (dead_at);
 
 --
--- Name: dead_letters_stream_id_idx; Type: INDEX; Schema: postbox; Owner: -
+-- Name: dead_letters_stream_key; Type: INDEX; Schema: postbox; Owner: -
 --
 
-CREATE UNIQUE INDEX dead_letters_stream_id_idx ON postbox.dead_letters USING btree (((headers ->> 'postbox-stream-id'::text))) WHERE (headers ? 'postbox-stream-id'::text);
+CREATE UNIQUE INDEX dead_letters_stream_key ON postbox.dead_letters USING btree (stream_id) WHERE (stream_id IS NOT NULL);
 
 --
 -- Name: dead_letters_topic_idx; Type: INDEX; Schema: postbox; Owner: -

@@ -1,0 +1,1 @@
+ALTER TABLE postbox.dead_letters DROP COLUMN stream_id;
