@@ -14,6 +14,7 @@ pub mod migrate;
 /// never waited for, it is kept in place as a delivered head (running, lease token 0, locked until
 /// `postbox.kept_head_lease()`, `kept` true) and its key promotes nothing past it until
 /// `postbox.finish_heads` takes it out. The caller promotes after the heads not kept.
+#[cfg(feature = "async")]
 macro_rules! take_out_cte {
     ($name:literal, $ids:literal, $tokens:literal) => {
         concat!(
