@@ -136,6 +136,7 @@ pub async fn migrate(settings: &Settings) -> Result<Vec<String>> {
     // Roles given rights by `postbox grant` get them on what migrations created (and back where
     // someone took some of them).
     let store = Store::connect(url, 1).await?;
+    note_analyzed(store.analyze_if_never_analyzed().await);
     for (role, kind, done) in store.regrant().await? {
         match done {
             Ok(()) => tracing::info!(role, kind = kind.name(), "granted again"),
@@ -187,6 +188,7 @@ pub async fn connect(settings: &Settings, stop: &CancellationToken) -> Result<St
             let store =
                 Store::connect(&settings.database_url, crate::engine::DEFAULT_POOL_SIZE).await?;
             store.check_schema().await?;
+            note_analyzed(store.analyze_if_never_analyzed().await);
             Ok::<_, Error>(store)
         };
         match attempt.await {
@@ -200,6 +202,23 @@ pub async fn connect(settings: &Settings, stop: &CancellationToken) -> Result<St
                 }
                 pause = (pause * 2).min(Duration::from_secs(30));
             }
+        }
+    }
+}
+
+/// What finding `postbox.messages` without statistics led to, in the log.
+fn note_analyzed(r: std::result::Result<crate::store::Analyzed, Error>) {
+    use crate::store::Analyzed;
+    match r {
+        Ok(Analyzed::HadStatistics) => {}
+        Ok(Analyzed::Now) => tracing::info!(
+            "postbox.messages had never been analyzed (a new deploy, pg_upgrade, a restore): analyzed it"
+        ),
+        Ok(Analyzed::NotAllowed) => tracing::warn!(
+            "postbox.messages has never been analyzed, and this role may not (run ANALYZE postbox.messages as its owner, or `postbox migrate`); claims are planned to do without"
+        ),
+        Err(e) => {
+            tracing::debug!(error = %e, "could not tell whether postbox.messages was analyzed")
         }
     }
 }

@@ -105,6 +105,8 @@ fn new_token() -> i64 {
 }
 
 #[cfg(feature = "async")]
+mod analyze;
+#[cfg(feature = "async")]
 pub mod browse;
 #[cfg(feature = "async")]
 mod cancel;
@@ -149,6 +151,7 @@ mod stream;
 
 #[cfg(feature = "async")]
 pub use self::{
+    analyze::Analyzed,
     cancel::{CancelSelector, Cancelled},
     check::{RepairedKey, VIOLATION_KINDS, Violation},
     claim::{ClaimedMessage, Topics},

@@ -1,0 +1,148 @@
+//! Claims on a table without statistics (after `pg_upgrade`, a restore, a fresh deploy's first
+//! burst, a TRUNCATE): every claim shape reads about what it returns, as on an analyzed table.
+//! Each shape is run as the relay runs it, inside `EXPLAIN (ANALYZE, BUFFERS)`, in a transaction
+//! rolled back; the buffers it read (the function's own statements included) must stay within
+//! 1.5 times what the same claim reads once the table is analyzed (walking the table costs tens
+//! of thousands of buffer reads here).
+
+mod common;
+
+use common::TestDb;
+use diesel::RunQueryDsl;
+use diesel::connection::SimpleConnection;
+
+/// Buffers a claim on the table never analyzed may read beyond 1.5 times what it reads analyzed
+/// (a claim of 100 writes its rows: about 2,000 buffers either way; a plan that visits every row
+/// reads tens of thousands more).
+const SLACK: i64 = 300;
+
+#[derive(diesel::QueryableByName)]
+struct Line {
+    #[diesel(sql_type = diesel::sql_types::Text, column_name = "QUERY PLAN")]
+    line: String,
+}
+
+/// The buffers (hit + read) the statement's top node reports: everything it and the functions
+/// it called read.
+fn buffers(db: &TestDb, sql: &str) -> (i64, String) {
+    let mut c = db.conn();
+    c.batch_execute("BEGIN").unwrap();
+    let lines: Vec<Line> = diesel::sql_query(format!("EXPLAIN (ANALYZE, BUFFERS) {sql}"))
+        .load(&mut c)
+        .unwrap();
+    c.batch_execute("ROLLBACK").unwrap();
+    let plan: String = lines.iter().map(|l| l.line.clone() + "\n").collect();
+    let first = plan
+        .lines()
+        .find(|l| l.trim_start().starts_with("Buffers:"))
+        .unwrap_or("");
+    let n = first
+        .split_whitespace()
+        .filter_map(|w| {
+            w.split_once('=').and_then(|(k, v)| {
+                matches!(k, "hit" | "read")
+                    .then(|| v.parse::<i64>().ok())
+                    .flatten()
+            })
+        })
+        .sum();
+    (n, plan)
+}
+
+const CLAIM: &str =
+    "SELECT * FROM postbox.claim(100, 30, {all}, {exact}, {like}, '{{}}', '{{}}', 1, 'x')";
+
+fn claim(all: bool, exact: &str, like: &str) -> String {
+    CLAIM
+        .replace("{all}", if all { "true" } else { "false" })
+        .replace("{exact}", exact)
+        .replace("{like}", like)
+        .replace("{{}}", "{}")
+}
+
+#[test]
+fn every_claim_shape_reads_what_it_returns_on_a_table_never_analyzed() {
+    let db = TestDb::migrated();
+    db.exec(
+        "ALTER TABLE postbox.messages SET (autovacuum_enabled = false);
+         INSERT INTO postbox.messages (topic) SELECT 'u' FROM generate_series(1, 20000);
+         INSERT INTO postbox.messages (topic, key) SELECT 'keyed', 'k' || (g % 500) FROM generate_series(1, 20000) g;
+         INSERT INTO postbox.messages (topic, key, ordered) SELECT 'ord', 'k' || (g % 200), true FROM generate_series(1, 20000) g;
+         INSERT INTO postbox.messages (topic) SELECT 'tenant.' || g FROM generate_series(1, 10000) g;
+         INSERT INTO postbox.messages (topic) SELECT 'emails.welcome' FROM generate_series(1, 20000);",
+    );
+    let never_analyzed = "SELECT count(*) AS v FROM pg_stat_user_tables
+        WHERE relid = 'postbox.messages'::regclass AND last_analyze IS NULL AND last_autoanalyze IS NULL";
+    let shapes: Vec<(&str, String)> = vec![
+        ("every topic", claim(true, "'{}'", "'{}'")),
+        ("one topic", "SELECT * FROM postbox.claim_topic('u', 100, 30, 1, 'x')".into()),
+        ("one keyed topic", "SELECT * FROM postbox.claim_topic('keyed', 100, 30, 1, 'x')".into()),
+        ("ordered heads", "SELECT * FROM postbox.claim_topic('ord', 100, 30, 1, 'x')".into()),
+        ("a few topics", claim(false, "ARRAY['u', 'keyed', 'ord']", "'{}'")),
+        ("a glob", claim(false, "'{}'", "ARRAY['emails.%']")),
+        ("a glob among 10,000 topics", claim(false, "'{}'", "ARRAY['tenant.%']")),
+        (
+            "limited, per key",
+            "SELECT * FROM postbox.claim_limited('keyed', 5, true, false, ARRAY['keyed'], '{}', 100, 30, false, ARRAY['keyed'], '{}', '{}', '{}', 1, 'x')".into(),
+        ),
+        (
+            "limited by a glob",
+            "SELECT * FROM postbox.claim_limited('emails.*', 1000, false, false, '{}', ARRAY['emails.%'], 100, 30, false, '{}', ARRAY['emails.%'], '{}', '{}', 1, 'x')".into(),
+        ),
+    ];
+    let fresh: Vec<(i64, String)> = shapes.iter().map(|(_, sql)| buffers(&db, sql)).collect();
+    assert_eq!(
+        db.scalar(never_analyzed),
+        1,
+        "nothing analyzed the table meanwhile"
+    );
+    db.exec("ANALYZE postbox.messages");
+    let mut report = Vec::new();
+    for ((name, sql), (n, plan)) in shapes.iter().zip(&fresh) {
+        let (analyzed, analyzed_plan) = buffers(&db, sql);
+        report.push((*name, *n, analyzed));
+        assert!(
+            *n <= analyzed * 3 / 2 + SLACK,
+            "{name}: {n} buffers on the table never analyzed, {analyzed} analyzed\n{plan}\n-- analyzed:\n{analyzed_plan}"
+        );
+    }
+    eprintln!("buffers of a claim of 100 (never analyzed, analyzed): {report:?}");
+}
+
+/// The relay finds the table never analyzed (a new deploy, `pg_upgrade`, a restore) and
+/// analyzes it as it starts; so does `postbox migrate`.
+#[test]
+fn the_relay_and_migrate_analyze_a_table_never_analyzed() {
+    let db = TestDb::migrated();
+    db.exec(
+        "ALTER TABLE postbox.messages SET (autovacuum_enabled = false);
+         INSERT INTO postbox.messages (topic) SELECT 'u' FROM generate_series(1, 2000);",
+    );
+    let analyzed = "SELECT count(*) AS v FROM pg_stat_user_tables
+        WHERE relid = 'postbox.messages'::regclass AND last_analyze IS NOT NULL";
+    assert_eq!(db.scalar(analyzed), 0);
+    let run = |args: &[&str]| {
+        let out = common::hermetic(env!("CARGO_BIN_EXE_postbox"))
+            .args(["--database-url", &db.url])
+            .args(args)
+            .env("POSTBOX_LOG", "info")
+            .env("POSTBOX_METRICS_LISTEN", "off")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let log = run(&["run", "--drain"]);
+    assert_eq!(db.scalar(analyzed), 1, "{log}");
+    assert!(log.contains("had never been analyzed"), "{log}");
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 0);
+    // Statistics reset (as pg_upgrade leaves them): migrate analyzes.
+    db.exec("SELECT pg_stat_reset_single_table_counters('postbox.messages'::regclass)");
+    assert_eq!(db.scalar(analyzed), 0);
+    let log = run(&["migrate"]);
+    assert_eq!(db.scalar(analyzed), 1, "{log}");
+}
