@@ -17,6 +17,7 @@ use crate::store::{SampleRow, Topics};
 
 mod claims;
 mod console;
+mod horizon;
 mod stream;
 mod topics;
 
@@ -68,6 +69,7 @@ pub struct Metrics {
     topics: Mutex<TopicLabels>,
     stream: stream::StreamMetrics,
     claims: claims::ClaimStalls,
+    horizon: horizon::Horizon,
 }
 
 fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -297,6 +299,7 @@ impl Metrics {
             topics: Mutex::new(TopicLabels::new(max_topics)),
             stream: stream::StreamMetrics::register(&r),
             claims: claims::ClaimStalls::register(&r, sinks),
+            horizon: horizon::Horizon::register(&r),
             registry: r,
         };
         let build = gauge_vec(
@@ -331,6 +334,7 @@ impl Metrics {
             self.database_ok.store(false, Ordering::Release);
             return;
         };
+        self.horizon.apply(rows);
         for g in [
             &self.queue_depth,
             &self.oldest_pending,

@@ -198,7 +198,8 @@ const STALLED_PER_TOPIC: &str = "SELECT topic, count(*) AS n FROM postbox.messag
 /// One figure of a metrics sample.
 #[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize, serde::Deserialize)]
 pub struct SampleRow {
-    /// depth, oldest_available, dead, stalled, dead_tuples, live_tuples, oldest_transaction
+    /// depth, oldest_available, dead, stalled, dead_tuples, live_tuples, oldest_transaction,
+    /// horizon (the oldest transaction's holder), slot_xmin
     #[diesel(sql_type = Text)]
     pub metric: String,
     /// Topic or table.
@@ -222,6 +223,16 @@ UNION ALL SELECT 'oldest_transaction', '', '',
        coalesce(extract(epoch FROM max(now() - xact_start)), 0)::float8
        FROM pg_stat_activity
        WHERE pid <> pg_backend_pid() AND (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL)
+UNION ALL (SELECT 'horizon', pid::text || '|' || left(coalesce(application_name, ''), 64) || '|' || coalesce(state, ''),
+       '', extract(epoch FROM now() - xact_start)::float8
+       FROM pg_stat_activity
+       WHERE datname = current_database() AND pid <> pg_backend_pid() AND xact_start IS NOT NULL
+         AND (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL)
+       ORDER BY xact_start LIMIT 1)
+UNION ALL (SELECT 'horizon', '|' || left(gid, 64) || '|prepared', '', extract(epoch FROM now() - prepared)::float8
+       FROM pg_prepared_xacts WHERE database = current_database() ORDER BY prepared LIMIT 1)
+UNION ALL SELECT 'slot_xmin', slot_name::text, '', age(xmin)::float8
+       FROM pg_replication_slots WHERE xmin IS NOT NULL
 "#;
 
 /// One relay computes the sample at a time (its turn: a row lock no role below relay can take);
