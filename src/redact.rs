@@ -27,23 +27,16 @@ pub fn is_secret(key: &str) -> bool {
 /// parameter whose name holds `password` is redacted, not only the first. Errs on the side of
 /// hiding: text that is neither (an error message quoting one) is scanned for both forms.
 pub fn redact_url(url: &str) -> String {
-    // The URLs in the text (`scheme://…` up to a space or a quote), each as a URL; the rest as a
+    // From the first `scheme://` on, the text is read as a URL (a password may hold any
+    // character, quotes and spaces included, up to the last `@`); what comes before it as a
     // connection string.
-    let mut out = String::with_capacity(url.len());
-    let mut rest = url;
-    while let Some(sep) = rest.find("://") {
-        let start = rest[..sep]
-            .rfind(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
-            .map_or(0, |i| i + 1);
-        let end = rest[sep..]
-            .find(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '`'))
-            .map_or(rest.len(), |i| sep + i);
-        out.push_str(&redact_conninfo(&rest[..start]));
-        out.push_str(&redact_one_url(&rest[start..end]));
-        rest = &rest[end..];
-    }
-    out.push_str(&redact_conninfo(rest));
-    out
+    let Some(sep) = url.find("://") else {
+        return redact_conninfo(url);
+    };
+    let start = url[..sep]
+        .rfind(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
+        .map_or(0, |i| i + 1);
+    redact_conninfo(&url[..start]) + &redact_one_url(&url[start..])
 }
 
 /// One URL: the password of its user info (up to the last `@`) and its password parameters.
@@ -232,5 +225,20 @@ mod tests {
         // Inside an error that quotes it.
         let e = redact_url("\"host=db password = hunter2\" is not a postgres:// URL");
         assert!(!e.contains("hunter2"), "{e}");
+    }
+
+    #[test]
+    fn a_url_password_holding_quotes_or_spaces_is_hidden_whole() {
+        for pw in ["s3cr'et-pw", "hun\"ter2", "s3cret`pw", "hun ter2"] {
+            for text in [
+                format!("postgres://postgres:{pw}@db:5432/app"),
+                format!("cannot reach the server of postgres://postgres:{pw}@db/app: refused"),
+                format!("database=postgres://u:{pw}@db/app relay running"),
+            ] {
+                let got = redact_url(&text);
+                assert!(!got.contains(pw), "{text} -> {got}");
+                assert!(got.contains("<redacted>"), "{got}");
+            }
+        }
     }
 }

@@ -548,3 +548,141 @@ fn a_claim_stuck_on_a_lock_shows_as_a_stalled_route() {
     migration.batch_execute("ROLLBACK").unwrap();
     assert!(common::relay::wait(Duration::from_secs(30), || stalled() == 0.0));
 }
+
+/// What a writer can put in a message is carried bounded, whatever its shape: a payload of
+/// nested arrays of empty strings (which pretty-printing and attribute escaping used to grow
+/// sixty-fold), headers of megabytes, a key of a megabyte; on a message's page and on a list.
+#[test]
+fn no_value_a_writer_can_write_makes_a_page_grow_past_its_bounds() {
+    let db = TestDb::migrated();
+    db.exec(
+        "INSERT INTO postbox.pauses (pattern) VALUES ('w.*');
+         INSERT INTO postbox.messages (topic, payload)
+         SELECT 'w.nest', (repeat('[', 120) || string_agg('\"\"', ',') || repeat(']', 120))::jsonb
+         FROM generate_series(1, 200000);
+         INSERT INTO postbox.messages (topic, payload, headers)
+         VALUES ('w.hdr', '{}', jsonb_build_object('h', repeat('\"', 5000000)));
+         INSERT INTO postbox.messages (topic, key, payload, run_at)
+         SELECT 'w.key', repeat('\"', 1000000) || g, '{}', now() + interval '1 day'
+         FROM generate_series(1, 50) g;",
+    );
+    let relay = Relay::start(&db, "");
+    let id = |topic: &str| {
+        db.scalar(&format!(
+            "SELECT min(id) AS v FROM postbox.messages WHERE topic = '{topic}'"
+        ))
+    };
+    for (path, json) in [
+        (format!("/messages/{}", id("w.nest")), false),
+        (format!("/messages/{}", id("w.nest")), true),
+        (format!("/messages/{}", id("w.hdr")), false),
+        (format!("/messages/{}", id("w.key")), false),
+        ("/messages?topic=w.*&limit=500".to_owned(), false),
+        ("/messages?topic=w.*&limit=500".to_owned(), true),
+    ] {
+        let accept = if json {
+            "application/json"
+        } else {
+            "text/html"
+        };
+        let (code, _, body) = request(
+            relay.ui,
+            "GET",
+            &path,
+            &[("Accept", accept)],
+            "",
+            Duration::from_secs(30),
+        )
+        .unwrap();
+        assert!(
+            code == 200 && body.len() < 8 * 1024 * 1024,
+            "{path} ({accept}): {code}, {} bytes",
+            body.len()
+        );
+    }
+    let (_, v) = get_json(relay.ui, &format!("/messages/{}", id("w.hdr")));
+    assert!(
+        v["headers_omitted_bytes"].as_i64().unwrap() > 64 * 1024,
+        "{v}"
+    );
+    let (_, v) = get_json(relay.ui, &format!("/messages/{}", id("w.key")));
+    assert!(
+        v["key"].as_str().unwrap().len() <= 8 * 1024,
+        "a key of a megabyte carried whole"
+    );
+}
+
+/// A topic whose name holds `,` or `*` is its own: the overview's links list its dead letters
+/// alone, and "purge all matching" from there purges them alone.
+#[test]
+fn a_topic_named_with_a_comma_or_a_star_is_acted_on_alone() {
+    let db = TestDb::migrated();
+    db.exec(
+        "INSERT INTO postbox.dead_letters (id, topic, key, ordered, payload, headers, priority, attempts, max_attempts, created_at, reason)
+         SELECT g, (ARRAY['pay', 'ment', 'pay,ment', 'orders', 'ord*s'])[1 + g % 5], NULL, false, '{}', '{}', 0, 1, 1, now(), 'boom'
+         FROM generate_series(1, 50) g",
+    );
+    let relay = Relay::start(&db, "");
+    let (_, _, html) = request(relay.ui, "GET", "/", &[], "", Duration::from_secs(20)).unwrap();
+    for name in ["pay%2Cment", "ord*s"] {
+        let link = format!("/dead?exact={name}");
+        assert!(html.contains(&link), "no link {link}: {html}");
+        let (code, page) = get_json(relay.ui, &format!("{link}&limit=500"));
+        assert_eq!(code, 200, "{page}");
+        assert_eq!(page["rows"].as_array().unwrap().len(), 10, "{link}: {page}");
+        let (_, confirm) = get_json(
+            relay.ui,
+            &format!("/dead/confirm?exact={name}&action=purge"),
+        );
+        assert_eq!(confirm["matching"], 10);
+        let selection = confirm["selection"].as_str().unwrap().to_owned();
+        let (code, body) = act(
+            relay.ui,
+            "/dead/purge",
+            &format!("exact={name}&expected=10&selection={selection}"),
+        );
+        assert_eq!(code, 200, "{body}");
+    }
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters WHERE topic IN ('pay', 'ment', 'orders')"),
+        30,
+        "other topics' dead letters were purged"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.dead_letters"),
+        30
+    );
+}
+
+/// Clients that ask for a page whose statement waits (a lock on the dead letters) and go at once:
+/// each statement keeps its connection to its end, so the console never holds more sessions than
+/// its pool.
+#[test]
+fn clients_that_go_leave_no_more_console_sessions_than_its_pool() {
+    let db = TestDb::migrated();
+    let relay = Relay::start(&db, "pool_size = 2\nstatement_timeout = \"3s\"");
+    let mut locker = db.conn();
+    use diesel::connection::SimpleConnection;
+    locker
+        .batch_execute("BEGIN; LOCK TABLE postbox.dead_letters IN ACCESS EXCLUSIVE MODE")
+        .unwrap();
+    let sessions = "SELECT count(*) AS v FROM pg_stat_activity
+        WHERE datname = current_database() AND application_name = 'postbox console'";
+    let mut most = 0;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(8) {
+        for _ in 0..5 {
+            if let Ok(mut s) = TcpStream::connect(("127.0.0.1", relay.ui)) {
+                let _ = write!(
+                    s,
+                    "GET /dead?limit=5 HTTP/1.1\r\nHost: localhost\r\nAccept: application/json\r\n\r\n"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+                drop(s);
+            }
+        }
+        most = most.max(db.scalar(sessions));
+    }
+    locker.batch_execute("ROLLBACK").unwrap();
+    assert!(most <= 2, "{most} console sessions with a pool of 2");
+}

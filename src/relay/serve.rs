@@ -68,7 +68,7 @@ pub async fn serve_metrics(
 
 /// Connections held at once. Past this, a new connection is still accepted, and the one that has
 /// been idle longest (no request in flight: one that sent nothing yet, or waits between requests)
-/// is closed to make room: a client that opens hundreds of idle connections cannot keep a probe
+/// among those of the address holding the most connections is closed to make room: a client that opens hundreds of idle connections cannot keep a probe
 /// out, and the process never holds more descriptors than this. Only when every connection has a
 /// request in flight is a new one closed at once.
 pub const MAX_CONNECTIONS: usize = 128;
@@ -86,6 +86,7 @@ struct Held {
     busy: Arc<AtomicUsize>,
     idle_since: Arc<Mutex<Instant>>,
     close: CancellationToken,
+    peer: std::net::IpAddr,
 }
 
 /// The connections being served, by number.
@@ -96,16 +97,27 @@ struct Table {
 }
 
 impl Table {
-    /// Room for one more: true if there was, or the longest-idle connection was closed for it.
+    /// Room for one more: true if there was, or the longest-idle connection of the address that
+    /// holds the most was closed for it (a client flooding the listener evicts its own
+    /// connections first, not a prober's from another address).
     fn make_room(&mut self) -> bool {
         if self.held.len() < MAX_CONNECTIONS {
             return true;
+        }
+        let mut by_peer: HashMap<std::net::IpAddr, usize> = HashMap::new();
+        for h in self.held.values() {
+            *by_peer.entry(h.peer).or_default() += 1;
         }
         let oldest = self
             .held
             .iter()
             .filter(|(_, h)| h.busy.load(Ordering::SeqCst) == 0)
-            .min_by_key(|(_, h)| *h.idle_since.lock().expect("not poisoned"))
+            .max_by_key(|(_, h)| {
+                (
+                    by_peer.get(&h.peer).copied().unwrap_or(0),
+                    std::cmp::Reverse(*h.idle_since.lock().expect("not poisoned")),
+                )
+            })
             .map(|(n, _)| *n);
         match oldest.and_then(|n| self.held.remove(&n)) {
             Some(h) => {
@@ -130,9 +142,9 @@ pub(super) async fn serve(
     let mut connections = tokio::task::JoinSet::new();
     loop {
         while connections.try_join_next().is_some() {}
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             a = listener.accept() => match a {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of descriptors, or a connection reset before it was accepted.
                     tracing::warn!(error = %e, "listener: accept failed");
@@ -155,6 +167,7 @@ pub(super) async fn serve(
                 busy: Arc::new(AtomicUsize::new(0)),
                 idle_since: Arc::new(Mutex::new(Instant::now())),
                 close: CancellationToken::new(),
+                peer: peer.ip(),
             };
             let parts = (
                 number,

@@ -23,8 +23,8 @@ use crate::error::{Error, Result};
 pub const WINDOW: i64 = 50_000;
 /// Rows a page returns at most.
 pub const PAGE_MAX: usize = 500;
-/// Characters of a payload (or headers) a page carries at most: a preview, cut in SQL, so that a
-/// page of large messages costs the relay a few kilobytes a row whatever they hold.
+/// Characters of a payload, headers, a key or an error a page carries at most: a preview, cut in
+/// SQL, so that a page of large messages costs the relay a few kilobytes a row whatever they hold.
 pub const PREVIEW_CHARS: usize = 1024;
 /// A payload stored larger than this (compressed bytes) gets no preview on a page: making one
 /// would render the whole value in the database first.
@@ -35,6 +35,9 @@ pub const PREVIEW_SOURCE_MAX: i32 = 64 * 1024;
 pub struct Filter {
     /// Topic names, or globs with `*` (`orders.*`); any of them.
     pub topics: Vec<String>,
+    /// Topic names taken exactly as they are (a `*` or a `,` in one is part of the name); any of
+    /// them, besides `topics`.
+    pub exact_topics: Vec<String>,
     /// `available`, `scheduled`, `running` or `waiting` (messages only).
     pub state: Option<String>,
     /// The key, exactly.
@@ -78,7 +81,12 @@ impl Filter {
         {
             return Err(bad("min_id", "is above max_id"));
         }
-        if self.topics.iter().any(|t| t.is_empty()) {
+        if self
+            .topics
+            .iter()
+            .chain(&self.exact_topics)
+            .any(|t| t.is_empty())
+        {
             return Err(bad("topic", "must not be empty"));
         }
         Ok(())
@@ -86,22 +94,24 @@ impl Filter {
 
     /// The topic filter as `LIKE` patterns (`*` → `%`, `%`, `_` and `\` escaped).
     fn like_patterns(&self) -> Vec<String> {
+        let pattern = |t: &str, glob: bool| {
+            let mut p = String::with_capacity(t.len());
+            for c in t.chars() {
+                match c {
+                    '%' | '_' | '\\' => {
+                        p.push('\\');
+                        p.push(c);
+                    }
+                    '*' if glob => p.push('%'),
+                    c => p.push(c),
+                }
+            }
+            p
+        };
         self.topics
             .iter()
-            .map(|t| {
-                let mut p = String::with_capacity(t.len());
-                for c in t.chars() {
-                    match c {
-                        '%' | '_' | '\\' => {
-                            p.push('\\');
-                            p.push(c);
-                        }
-                        '*' => p.push('%'),
-                        c => p.push(c),
-                    }
-                }
-                p
-            })
+            .map(|t| pattern(t, true))
+            .chain(self.exact_topics.iter().map(|t| pattern(t, false)))
             .collect()
     }
 }
@@ -125,7 +135,7 @@ pub struct MessageRow {
     pub id: i64,
     /// Its topic.
     pub topic: String,
-    /// Its key, if any.
+    /// Its key, if any (cut to [`PREVIEW_CHARS`] characters, marked `…`).
     pub key: Option<String>,
     /// Whether it is delivered in its key's order.
     pub ordered: bool,
@@ -139,7 +149,7 @@ pub struct MessageRow {
     pub created_at: DateTime<Utc>,
     /// When it is (was) claimable; for a dead letter, when it died.
     pub at: DateTime<Utc>,
-    /// Its last error; for a dead letter, why it died.
+    /// Its last error; for a dead letter, why it died (cut to [`PREVIEW_CHARS`] characters).
     pub error: Option<String>,
     /// Its payload, when it is at most [`PREVIEW_CHARS`] characters as JSON text (`None` when
     /// payloads are hidden, or it is larger: see `payload_preview`; the message's own page shows
@@ -202,8 +212,8 @@ fn page_sql(table: &str, state: &str, at: &str, error: &str) -> String {
             SELECT min(id) AS low, count(*)::bigint AS n FROM (
                 SELECT id FROM postbox.{table} WHERE id < $1 ORDER BY id DESC LIMIT $2) w
          ) edge LEFT JOIN LATERAL (
-            SELECT t.id, t.topic, t.key, t.ordered, {state} AS state, t.attempts, t.max_attempts,
-                   t.created_at, {at} AS at, {error} AS error,
+            SELECT t.id, t.topic, left(t.key, {cut}) AS key, t.ordered, {state} AS state, t.attempts,
+                   t.max_attempts, t.created_at, {at} AS at, left({error}, {cut}) AS error,
                    CASE WHEN $3 AND pg_column_size(t.payload) <= {source_max}
                         THEN left(t.payload::text, {cut}) END AS payload,
                    CASE WHEN $3 THEN pg_column_size(t.payload) END AS payload_bytes,
@@ -353,14 +363,14 @@ fn message_row(r: Row) -> Option<MessageRow> {
     Some(MessageRow {
         id: r.id?,
         topic: r.topic.unwrap_or_default(),
-        key: r.key,
+        key: r.key.map(cut),
         ordered: r.ordered.unwrap_or(false),
         state: r.state.unwrap_or_default(),
         attempts: r.attempts.unwrap_or(0),
         max_attempts: r.max_attempts.unwrap_or(0),
         created_at: r.created_at?,
         at: r.at?,
-        error: r.error,
+        error: r.error.map(cut),
         payload: r.payload.as_deref().filter(|p| whole(p)).map(lenient_json),
         payload_preview: r.payload.filter(|p| !whole(p)).map(cut),
         payload_bytes: r.payload_bytes.map(i64::from),

@@ -162,7 +162,7 @@ pub use self::{
     limit::Limit,
     listen::{listen, register_listener, still_running, unregister_listener},
     pause::unpaused,
-    retention::{Maintained, Shown},
+    retention::{Maintained, Omitted, Shown},
     schedule::{PROMOTE_BATCH, Promoted},
     settle::{Dead, RESCUE_BATCH, Retry, RetryReport, Settled},
     stats::{

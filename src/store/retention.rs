@@ -110,6 +110,16 @@ pub enum Shown {
     },
 }
 
+/// What a bounded read of a message left out: the sizes of a payload and of headers too large
+/// to carry (stored bytes or JSON text, whichever is larger).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Omitted {
+    /// The payload's size, when it was left out.
+    pub payload: Option<i64>,
+    /// The headers' size, when they were left out.
+    pub headers: Option<i64>,
+}
+
 #[derive(QueryableByName)]
 struct Count {
     #[diesel(sql_type = Integer)]
@@ -157,6 +167,8 @@ struct Found {
     omitted: Option<i32>,
     #[diesel(sql_type = Jsonb, deserialize_as = LenientJson)]
     headers: serde_json::Value,
+    #[diesel(sql_type = Nullable<Integer>)]
+    headers_omitted: Option<i32>,
 }
 
 #[derive(QueryableByName)]
@@ -184,32 +196,65 @@ const EXPIRED: &str =
 
 /// The live message first, then its dead letter, then its delivered copies (a replayed dead
 /// letter can have been delivered once before), newest first. `$2`: the longest payload (bytes
-/// of JSON text) to read, larger ones read as `null` with their size in `omitted` (NULL: any).
+/// of JSON text) to read, a larger one read as `null` with its size in `omitted`; then the
+/// headers are read up to [`SHOWN_HEADERS_MAX`] (`headers_omitted` beyond), the key and the error
+/// texts cut to [`SHOWN_TEXT_MAX`] characters. `$2` NULL: everything whole.
 const FIND: &str = "
-SELECT 'queued' AS place, id, topic, key, state::text AS state, attempts, max_attempts, created_at,
-       run_at AS at, locked_by AS who, last_error AS detail, first_error, PAYLOAD, headers, 0 AS rank,
-       now() AS sort
+SELECT 'queued' AS place, id, topic, KEY, state::text AS state, attempts, max_attempts, created_at,
+       run_at AS at, locked_by AS who, TEXT(last_error) AS detail, TEXT(first_error) AS first_error,
+       PAYLOAD, HEADERS, 0 AS rank, now() AS sort
 FROM postbox.messages WHERE id = $1
 UNION ALL
-SELECT 'dead', id, topic, key, NULL, attempts, max_attempts, created_at, dead_at,
-       reason, last_error, first_error, PAYLOAD, headers, 1, dead_at
+SELECT 'dead', id, topic, KEY, NULL, attempts, max_attempts, created_at, dead_at,
+       TEXT(reason), TEXT(last_error), TEXT(first_error), PAYLOAD, HEADERS, 1, dead_at
 FROM postbox.dead_letters WHERE id = $1
 UNION ALL
-SELECT 'delivered', id, topic, key, NULL, attempts, NULL, created_at, delivered_at, relay,
-       sink, NULL::text, PAYLOAD, headers, 2, delivered_at
+SELECT 'delivered', id, topic, KEY, NULL, attempts, NULL, created_at, delivered_at, relay,
+       sink, NULL::text, PAYLOAD, HEADERS, 2, delivered_at
 FROM postbox.completed WHERE id = $1
 ORDER BY rank, sort DESC";
 
-/// The payload columns of [`FIND`]: read whole unless its JSON text is longer than `$2` (a value
-/// stored larger than `$2` compressed is not even rendered to know).
-const FIND_PAYLOAD: &str = "CASE WHEN $2::int IS NULL THEN payload
-            WHEN pg_column_size(payload) <= $2 AND octet_length(payload::text) <= $2 THEN payload
-            ELSE 'null'::jsonb END AS payload,
-       CASE WHEN $2::int IS NULL THEN NULL
-            WHEN pg_column_size(payload) > $2 OR octet_length(payload::text) > $2
-            THEN greatest(pg_column_size(payload), CASE WHEN pg_column_size(payload) <= $2 * 16
-                                                        THEN octet_length(payload::text) END)
-            END AS omitted";
+/// Headers (bytes of JSON text) a bounded read of a message carries at most.
+pub const SHOWN_HEADERS_MAX: i32 = 64 * 1024;
+/// Characters of a key or an error text a bounded read of a message carries at most.
+pub const SHOWN_TEXT_MAX: i32 = 8 * 1024;
+
+/// [`FIND`]'s bounded columns.
+fn find_sql() -> String {
+    let bounded = |col: &str, max: &str, omitted: &str| {
+        format!(
+            "CASE WHEN $2::int IS NULL THEN {col}
+                  WHEN pg_column_size({col}) <= {max} AND octet_length({col}::text) <= {max} THEN {col}
+                  ELSE '{{}}'::jsonb END AS {col},
+             CASE WHEN $2::int IS NULL THEN NULL
+                  WHEN pg_column_size({col}) > {max} OR octet_length({col}::text) > {max}
+                  THEN greatest(pg_column_size({col}), CASE WHEN pg_column_size({col}) <= {max} * 16
+                                                              THEN octet_length({col}::text) END)
+                  END AS {omitted}"
+        )
+    };
+    let payload = bounded("payload", "$2", "omitted").replace("'{}'::jsonb", "'null'::jsonb");
+    let headers = bounded("headers", &SHOWN_HEADERS_MAX.to_string(), "headers_omitted");
+    let mut sql = FIND
+        .replace("PAYLOAD", &payload)
+        .replace("HEADERS", &headers)
+        .replace(
+            "KEY",
+            &format!(
+                "CASE WHEN $2::int IS NULL THEN key ELSE left(key, {SHOWN_TEXT_MAX}) END AS key"
+            ),
+        );
+    // TEXT(x): x, cut when bounded.
+    while let Some(at) = sql.find("TEXT(") {
+        let close = at + sql[at..].find(')').expect("a closing parenthesis");
+        let col = sql[at + 5..close].to_owned();
+        sql.replace_range(
+            at..=close,
+            &format!("CASE WHEN $2::int IS NULL THEN {col} ELSE left({col}, {SHOWN_TEXT_MAX}) END"),
+        );
+    }
+    sql
+}
 
 impl Store {
     /// Creates the hourly partitions of `postbox.completed` from this hour to
@@ -301,16 +346,19 @@ impl Store {
         &self,
         id: MessageId,
         max_payload: Option<usize>,
-    ) -> Result<Option<(Shown, Option<i64>)>> {
+    ) -> Result<Option<(Shown, Omitted)>> {
         let mut conn = self.conn().await?;
         let max = max_payload.map(|m| i32::try_from(m).unwrap_or(i32::MAX));
-        let rows: Vec<Found> = diesel::sql_query(FIND.replace("PAYLOAD", FIND_PAYLOAD))
+        let rows: Vec<Found> = diesel::sql_query(find_sql())
             .bind::<BigInt, _>(id)
             .bind::<Nullable<Integer>, _>(max)
             .load(&mut conn)
             .await?;
         Ok(rows.into_iter().next().map(|r| {
-            let omitted = r.omitted.map(i64::from);
+            let omitted = Omitted {
+                payload: r.omitted.map(i64::from),
+                headers: r.headers_omitted.map(i64::from),
+            };
             (Self::shown(r), omitted)
         }))
     }

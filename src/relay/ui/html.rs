@@ -5,6 +5,22 @@ use std::fmt::Write;
 
 use crate::store::browse::{Browsed, Filter, MessageRow, STATES};
 
+/// `text` for an element's content (`<pre>`, `<td>`): `&`, `<` and `>` escaped, quotes left as
+/// they are (they need escaping in attributes only), so that a value of quotes does not grow six
+/// times on the page.
+pub fn esc_text(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// `text` safe in HTML text and attribute values.
 pub fn esc(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
@@ -120,6 +136,12 @@ pub fn filter_form(action: &str, f: &FilterText, with_state: bool) -> String {
         esc(action)
     );
     out += &input("topic", "Topics", &f.topic, "orders.*, emails");
+    if !f.exact.is_empty() {
+        out += &format!(
+            "<label>Topic (exactly)<input name=\"exact\" value=\"{}\"></label>",
+            esc(&f.exact)
+        );
+    }
     if with_state {
         out += "<label>State<select name=\"state\"><option value=\"\">any</option>";
         for s in STATES {
@@ -154,6 +176,8 @@ pub fn filter_form(action: &str, f: &FilterText, with_state: bool) -> String {
 pub struct FilterText {
     /// Topic names or globs, separated by commas.
     pub topic: String,
+    /// One topic name, exactly (the console's own links: a `*` or a `,` is part of it).
+    pub exact: String,
     /// A state.
     pub state: String,
     /// A key.
@@ -175,6 +199,7 @@ impl FilterText {
     pub fn query(&self) -> String {
         let pairs = [
             ("topic", &self.topic),
+            ("exact", &self.exact),
             ("state", &self.state),
             ("key", &self.key),
             ("min_id", &self.min_id),
@@ -200,6 +225,7 @@ impl FilterText {
             .map(|(k, _)| {
                 let v = match k {
                     "topic" => &self.topic,
+                    "exact" => &self.exact,
                     "state" => &self.state,
                     "key" => &self.key,
                     "min_id" => &self.min_id,
@@ -235,8 +261,8 @@ pub fn rows(
     );
     for m in &page.rows {
         let payload = match (&m.payload, &m.payload_preview, m.payload_bytes) {
-            (Some(p), _, _) => esc(&truncate(&p.to_string(), 120)),
-            (None, Some(p), _) => esc(&truncate(p, 120)),
+            (Some(p), _, _) => esc_text(&truncate(&p.to_string(), 120)),
+            (None, Some(p), _) => esc_text(&truncate(p, 120)),
             (None, None, Some(bytes)) => {
                 format!("<span class=\"muted\">{bytes} bytes: on its page</span>")
             }
@@ -257,7 +283,7 @@ pub fn rows(
             p = esc(prefix),
             id = m.id,
             topic = esc(&m.topic),
-            key = esc(m.key.as_deref().unwrap_or("")),
+            key = esc_text(&truncate(m.key.as_deref().unwrap_or(""), 120)),
             ord = if m.ordered {
                 " <span class=\"muted\">(ordered)</span>"
             } else {
@@ -268,7 +294,7 @@ pub fn rows(
             ma = m.max_attempts,
             created = m.created_at.format("%Y-%m-%d %H:%M:%S"),
             at = m.at.format("%Y-%m-%d %H:%M:%S"),
-            err = esc(&truncate(m.error.as_deref().unwrap_or(""), 120)),
+            err = esc_text(&truncate(m.error.as_deref().unwrap_or(""), 120)),
         );
     }
     out += "</tbody></table>";
@@ -341,6 +367,7 @@ pub fn parse_filter(f: &FilterText) -> Result<Filter, String> {
     };
     for (name, v) in [
         ("topic", &f.topic),
+        ("exact", &f.exact),
         ("key", &f.key),
         ("payload", &f.payload),
         ("headers", &f.headers),
@@ -365,6 +392,10 @@ pub fn parse_filter(f: &FilterText) -> Result<Filter, String> {
     }
     let filter = Filter {
         topics,
+        exact_topics: Some(f.exact.clone())
+            .filter(|t| !t.is_empty())
+            .into_iter()
+            .collect(),
         state: Some(f.state.trim().to_owned()).filter(|s| !s.is_empty()),
         key: Some(f.key.clone()).filter(|s| !s.is_empty()),
         min_id: id("min_id", &f.min_id)?,

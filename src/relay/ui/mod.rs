@@ -5,6 +5,7 @@
 //! Every page answers JSON too (`Accept: application/json`), for scripts.
 
 mod actions;
+mod budget;
 mod forms;
 mod guard;
 mod html;
@@ -39,6 +40,8 @@ pub(super) struct Ui {
     /// The actions' connection (one; a statement may run a minute): taken only by a request that
     /// showed the token.
     act: Store,
+    /// The bytes of pages in flight.
+    pages: budget::PageBudget,
     settings: UiSettings,
     relay: RelayView,
     rates: Arc<rates::Rates>,
@@ -65,15 +68,73 @@ const CHECKOUT: std::time::Duration = std::time::Duration::from_secs(2);
 /// The limit on one statement of an action (replay or purge of up to [`ACT_MAX`]).
 const ACTION_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Serves the console on `settings.listen` until `stop`. It opens connections of its own to
-/// `database_url` (`[ui] pool_size` for the pages, one for the actions): whatever its clients ask,
-/// it never takes the delivery's.
+/// Serves the console on `settings.listen` until `stop`, on a runtime and a thread of its own
+/// (what its pages cost in CPU is never taken from the delivery's runtime), with connections of
+/// its own to `database_url` (`[ui] pool_size` for the pages, one for the actions): whatever its
+/// clients ask, it never takes the delivery's.
 pub async fn serve_ui(
     settings: UiSettings,
     database_url: &str,
     relay: RelayView,
     stop: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>> {
+    let addr = settings.listen;
+    let listener = std::net::TcpListener::bind(addr)
+        .and_then(|l| l.set_nonblocking(true).map(|()| l))
+        .map_err(|e| RelayError::Usage(format!("ui.listen: cannot listen on {addr}: {e}")))?;
+    let url = database_url.to_owned();
+    let (ready, started) = tokio::sync::oneshot::channel::<Result<()>>();
+    let thread = std::thread::Builder::new()
+        .name("postbox-console".into())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .thread_name("postbox-console")
+                .enable_all()
+                .build()
+            {
+                Ok(r) => r,
+                Err(e) => {
+                    let _ = ready.send(Err(anyhow::anyhow!("console runtime: {e}").into()));
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                match console(settings, &url, relay, listener, stop.clone()).await {
+                    Ok(app) => {
+                        let _ = ready.send(Ok(()));
+                        let listener = match tokio::net::TcpListener::from_std(app.1) {
+                            Ok(l) => l,
+                            Err(e) => {
+                                tracing::error!(error = %e, "console listener");
+                                return;
+                            }
+                        };
+                        super::serve::serve(listener, app.0, stop).await;
+                    }
+                    Err(e) => {
+                        let _ = ready.send(Err(e));
+                    }
+                }
+            });
+        })
+        .map_err(|e| anyhow::anyhow!("console thread: {e}"))?;
+    started
+        .await
+        .map_err(|_| anyhow::anyhow!("the console's thread ended before it started"))??;
+    Ok(tokio::task::spawn_blocking(move || {
+        let _ = thread.join();
+    }))
+}
+
+/// The console's router (on its own runtime), and the listener handed back.
+async fn console(
+    settings: UiSettings,
+    database_url: &str,
+    relay: RelayView,
+    listener: std::net::TcpListener,
+    stop: CancellationToken,
+) -> Result<(axum::Router, std::net::TcpListener)> {
     let store = Store::connect_bounded(
         database_url,
         settings.pool_size,
@@ -91,9 +152,6 @@ pub async fn serve_ui(
     )
     .await?;
     let addr = settings.listen;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| RelayError::Usage(format!("ui.listen: cannot listen on {addr}: {e}")))?;
     let prefix = settings.path_prefix.clone();
     let rates = Arc::new(rates::Rates::default());
     if let Some(m) = &relay.metrics {
@@ -102,6 +160,7 @@ pub async fn serve_ui(
     let state = Arc::new(Ui {
         store,
         act,
+        pages: budget::PageBudget::new(),
         settings,
         relay,
         rates,
@@ -144,8 +203,20 @@ pub async fn serve_ui(
     } else {
         axum::Router::new().nest(&prefix, pages)
     };
+    // A request's work runs to its end in a task of its own, even when its client goes: a
+    // statement it started keeps its pooled connection until the server has ended it (by its
+    // statement timeout at most), so the console never holds more sessions than its pool.
+    let app = app.layer(axum::middleware::from_fn(detach));
     tracing::info!(%addr, prefix = %prefix, "console listening");
-    Ok(tokio::spawn(super::serve::serve(listener, app, stop)))
+    Ok((app, listener))
+}
+
+/// Runs the rest of the request in a task of its own (see [`console`]).
+async fn detach(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    match tokio::spawn(next.run(request)).await {
+        Ok(r) => r,
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "the page failed\n").into_response(),
+    }
 }
 
 /// The most a form's body may hold.
@@ -281,11 +352,38 @@ pub(super) fn answer(
     body: String,
     value: serde_json::Value,
 ) -> Response {
-    if wants_json(headers) {
-        return (status, axum::Json(value)).into_response();
-    }
-    let html = page(&ui.settings.path_prefix, title, None, &body);
-    let mut response = (status, axum::response::Html(html)).into_response();
+    let (bytes, content_type) = if wants_json(headers) {
+        (
+            serde_json::to_vec(&value).unwrap_or_default(),
+            "application/json",
+        )
+    } else {
+        (
+            page(&ui.settings.path_prefix, title, None, &body).into_bytes(),
+            "text/html; charset=utf-8",
+        )
+    };
+    let length = bytes.len();
+    let body = match ui.pages.body(bytes) {
+        Ok(b) => b,
+        Err((status, message)) => {
+            let text = if wants_json(headers) {
+                json!({ "error": message }).to_string()
+            } else {
+                message + "\n"
+            };
+            return (status, text).into_response();
+        }
+    };
+    let mut response = (
+        status,
+        [
+            (header::CONTENT_TYPE, content_type.to_owned()),
+            (header::CONTENT_LENGTH, length.to_string()),
+        ],
+        body,
+    )
+        .into_response();
     if csrf.fresh {
         let path = if ui.settings.path_prefix.is_empty() {
             "/"

@@ -116,8 +116,8 @@ pub(super) async fn overview(State(ui): Shared, headers: HeaderMap) -> Response 
             )
         };
         body += &format!(
-            "<tr><td><a href=\"{p}/messages?topic={q}\">{t}</a>{paused}</td><td class=\"n\">{}</td><td class=\"n\">{}</td>\
-             <td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\"><a href=\"{p}/dead?topic={q}\">{}</a></td><td class=\"n\">{}</td>\
+            "<tr><td><a href=\"{p}/messages?exact={q}\">{t}</a>{paused}</td><td class=\"n\">{}</td><td class=\"n\">{}</td>\
+             <td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\"><a href=\"{p}/dead?exact={q}\">{}</a></td><td class=\"n\">{}</td>\
              <td class=\"n\">{}</td><td class=\"n\">{}</td><td class=\"n\">{}</td><td>{chart}</td><td class=\"act\">{sink}</td><td class=\"act\">{action}</td></tr>",
             t.available,
             t.scheduled,
@@ -343,13 +343,23 @@ pub(super) async fn message(
     if let Some(o) = value.as_object_mut() {
         if !ui.settings.show_payloads {
             o.insert("payload".into(), json!(null));
-        } else if let Some(bytes) = omitted {
+        } else if let Some(bytes) = omitted.payload {
             // Too large to carry here: its size, and where to read it whole.
             o.insert("payload".into(), json!(null));
             o.insert("payload_omitted_bytes".into(), json!(bytes));
         }
+        if let Some(bytes) = omitted.headers {
+            o.insert("headers".into(), json!(null));
+            o.insert("headers_omitted_bytes".into(), json!(bytes));
+        }
     }
     let mut body = String::from("<table><tbody>");
+    let too_large = |bytes: Option<i64>| {
+        format!(
+            "<span class=\"muted\">{} bytes: larger than the console shows; <code>postbox show {id}</code> prints it</span>",
+            bytes.unwrap_or_default()
+        )
+    };
     if let Some(o) = value.as_object() {
         for (k, v) in o {
             let shown = match v {
@@ -357,14 +367,17 @@ pub(super) async fn message(
                 serde_json::Value::Null if k == "payload" && !ui.settings.show_payloads => {
                     "<span class=\"muted\">hidden</span>".into()
                 }
-                serde_json::Value::Null if k == "payload" && omitted.is_some() => format!(
-                    "<span class=\"muted\">{} bytes: larger than the console shows (1 MiB); <code>postbox show {id}</code> prints it</span>",
-                    omitted.unwrap_or_default()
-                ),
-                v if v.is_object() || v.is_array() => format!(
-                    "<pre>{}</pre>",
-                    esc(&serde_json::to_string_pretty(v).unwrap_or_default())
-                ),
+                serde_json::Value::Null if k == "payload" && omitted.payload.is_some() => {
+                    too_large(omitted.payload)
+                }
+                serde_json::Value::Null if k == "headers" && omitted.headers.is_some() => {
+                    too_large(omitted.headers)
+                }
+                // As compact JSON, escaped for element content only: a page is at most a few
+                // times the value's size, however it is nested or quoted.
+                v if v.is_object() || v.is_array() => {
+                    format!("<pre>{}</pre>", html::esc_text(&v.to_string()))
+                }
                 v => esc(&v.to_string()),
             };
             body += &format!("<tr><th>{}</th><td>{shown}</td></tr>", esc(k));

@@ -37,7 +37,7 @@ pub(super) async fn schedules(State(ui): Shared, headers: HeaderMap) -> Response
             String::new()
         };
         body += &format!(
-            "<tr><td>{}</td><td><code>{}</code></td><td>{}</td><td><a href=\"{p}/messages?topic={q}\">{t}</a></td>\
+            "<tr><td>{}</td><td><code>{}</code></td><td>{}</td><td><a href=\"{p}/messages?exact={q}\">{t}</a></td>\
              <td>{}</td><td>{}</td><td>{}</td><td>{run}</td></tr>",
             esc(&r.name),
             esc(&r.cron),
