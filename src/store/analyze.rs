@@ -11,9 +11,11 @@ use super::Store;
 use crate::error::Result;
 
 /// Whether the table was never analyzed (by hand or by autovacuum) since its statistics were
-/// last reset.
+/// last reset, and holds rows enough to be worth it (an empty table analyzed would tell the
+/// planner it stays empty: its first burst plans better on no statistics at all).
 const NEVER_ANALYZED: &str = "SELECT coalesce((SELECT last_analyze IS NULL AND last_autoanalyze IS NULL
-    FROM pg_catalog.pg_stat_user_tables WHERE relid = 'postbox.messages'::regclass), false) AS never";
+    FROM pg_catalog.pg_stat_user_tables WHERE relid = 'postbox.messages'::regclass), false)
+    AND (SELECT count(*) FROM (SELECT 1 FROM postbox.messages LIMIT 1000) r) >= 1000 AS never";
 
 /// Whether this session may analyze it (its owner, or a superuser).
 const MAY_ANALYZE: &str = "SELECT pg_catalog.pg_has_role(c.relowner, 'USAGE')
@@ -29,7 +31,7 @@ struct Flag {
 /// What [`Store::analyze_if_never_analyzed`] found and did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Analyzed {
-    /// The table had statistics: nothing done.
+    /// The table had statistics, or holds fewer than 1,000 rows: nothing done.
     HadStatistics,
     /// It had none, and was analyzed now.
     Now,
@@ -38,9 +40,9 @@ pub enum Analyzed {
 }
 
 impl Store {
-    /// Analyzes `postbox.messages` if it was never analyzed (a sample of 30,000 rows whatever its
-    /// size; it takes a lock that writers, claims and settles do not wait for). Safe while
-    /// everything runs.
+    /// Analyzes `postbox.messages` if it was never analyzed and holds 1,000 rows or more (a
+    /// sample of 30,000 rows whatever its size; it takes a lock that writers, claims and settles
+    /// do not wait for). Safe while everything runs.
     pub async fn analyze_if_never_analyzed(&self) -> Result<Analyzed> {
         let mut conn = self.conn().await?;
         let never: Flag = diesel::sql_query(NEVER_ANALYZED)
