@@ -24,6 +24,7 @@
 
 mod backlog;
 mod console;
+mod fresh;
 mod stream;
 mod topics;
 
@@ -98,7 +99,7 @@ fn args() -> Args {
                     .expect("--status-rows N")
             }
             other => panic!(
-                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|ordered-drain|topics|stream|console] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|fresh|ordered-drain|topics|stream|console] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
             ),
         }
     }
@@ -941,6 +942,10 @@ async fn main() {
     }
     if a.only.as_deref() == Some("console") {
         console::run(&a.url, a.status_rows).await;
+        return;
+    }
+    if a.only.as_deref() == Some("fresh") {
+        fresh::run(&a.url).await;
         return;
     }
     if a.only.as_deref() == Some("limits") {

@@ -13,7 +13,8 @@ use crate::error::Result;
 /// Whether the table was never analyzed (by hand or by autovacuum) since its statistics were
 /// last reset, and holds rows enough to be worth it (an empty table analyzed would tell the
 /// planner it stays empty: its first burst plans better on no statistics at all).
-const NEVER_ANALYZED: &str = "SELECT coalesce((SELECT last_analyze IS NULL AND last_autoanalyze IS NULL
+const NEVER_ANALYZED: &str =
+    "SELECT coalesce((SELECT last_analyze IS NULL AND last_autoanalyze IS NULL
     FROM pg_catalog.pg_stat_user_tables WHERE relid = 'postbox.messages'::regclass), false)
     AND (SELECT count(*) FROM (SELECT 1 FROM postbox.messages LIMIT 1000) r) >= 1000 AS never";
 
