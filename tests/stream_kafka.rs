@@ -251,3 +251,32 @@ async fn a_relay_killed_mid_stream_loses_nothing_in_kafka_and_redelivers_with_th
         got.len()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_kafka_refuses_whose_content_postgresql_cannot_store_is_dead_lettered_and_the_stream_goes_on()
+ {
+    let server = OwnServer::start(&["wal_level=logical"]);
+    let db = logical_db(&server).await;
+    let broker = Broker::start();
+    broker.create_topic("orders", 1).await;
+    let relay = kafka_relay(&db, &broker, r#""message.max.bytes" = "20000""#);
+    // A plain SQL writer's message Kafka refuses for good (too large), with "\u0000" in it.
+    let big = "x".repeat(30_000);
+    db.exec(&format!(
+        r#"SELECT pg_logical_emit_message(true, 'postbox', '{{"v":1,"topic":"orders","key":"k","payload":{{"a":"\u0000{big}"}}}}')"#
+    ));
+    postbox::publish(&mut db.conn(), &order("k", 1)).unwrap();
+    let got = broker.consume("orders", 1);
+    assert_eq!(got.len(), 1, "{}", relay.log());
+    assert_eq!(got[0].payload["n"], 1);
+    assert!(
+        wait(Duration::from_secs(20), || {
+            db.scalar(
+            "SELECT count(*) AS v FROM postbox.dead_letters
+             WHERE reason LIKE 'kafka:%replaced with U+FFFD' AND payload->>'a' LIKE U&'\\FFFD' || 'xxx%'"
+        ) == 1
+        }),
+        "{}",
+        relay.log()
+    );
+}

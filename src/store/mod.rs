@@ -146,6 +146,7 @@ mod schedule;
 mod settle;
 #[cfg(feature = "async")]
 mod stats;
+pub mod storable;
 #[cfg(feature = "async")]
 mod stream;
 

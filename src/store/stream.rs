@@ -5,7 +5,7 @@ use diesel::sql_types::{BigInt, Bool, Integer, Jsonb, Nullable, Text, Timestampt
 use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::RunQueryDsl;
 
-use super::Store;
+use super::{Store, storable};
 use crate::error::{Error, Result};
 
 /// A stream slot as the server sees it.
@@ -243,9 +243,81 @@ impl Store {
 
     /// Dead-letters a stream message (one the sink refused for good, or one that cannot be read)
     /// with `reason`, unless a dead letter of the same stream id exists (a redelivery after a
-    /// restart). `dead replay` puts it into the table queue like any dead letter.
+    /// restart). `dead replay` puts it into the table queue like any dead letter. What
+    /// PostgreSQL cannot store (a NUL in text or JSON) is replaced with U+FFFD, and the reason says
+    /// so; when the database still refuses the message as it is, see
+    /// [`Store::stream_dead_letter_in_part`].
     #[allow(clippy::too_many_arguments)]
     pub async fn stream_dead_letter(
+        &self,
+        stream_id: &str,
+        topic: &str,
+        key: Option<&str>,
+        payload: &serde_json::Value,
+        headers: &serde_json::Value,
+        created_at: chrono::DateTime<chrono::Utc>,
+        reason: &str,
+    ) -> Result<bool> {
+        let (topic, key) = (storable::text(topic), key.map(storable::text));
+        let (payload_clean, headers_clean) = (storable::json(payload), storable::json(headers));
+        let reason = if payload_clean.is_some()
+            || headers_clean.is_some()
+            || matches!(topic, std::borrow::Cow::Owned(_))
+            || matches!(key, Some(std::borrow::Cow::Owned(_)))
+        {
+            std::borrow::Cow::Owned(format!(
+                "{}; NUL characters, which PostgreSQL cannot store, were replaced with U+FFFD",
+                storable::text(reason)
+            ))
+        } else {
+            storable::text(reason)
+        };
+        self.insert_stream_dead(
+            stream_id,
+            &topic,
+            key.as_deref(),
+            payload_clean.as_ref().unwrap_or(payload),
+            headers_clean.as_ref().unwrap_or(headers),
+            created_at,
+            &reason,
+        )
+        .await
+    }
+
+    /// The last resort for a stream message the database refused to store as it was (a value
+    /// past a limit of PostgreSQL's): a dead letter with the topic cut to 255 bytes, no key or
+    /// headers, and as payload a JSON string of the message's first 64 KiB, in printable ASCII;
+    /// `refused` (the database's answer) joins the reason. Made of values any PostgreSQL stores,
+    /// so its failure means the database is away, not the message.
+    pub async fn stream_dead_letter_in_part(
+        &self,
+        stream_id: &str,
+        topic: &str,
+        content: &str,
+        created_at: chrono::DateTime<chrono::Utc>,
+        reason: &str,
+        refused: &str,
+    ) -> Result<bool> {
+        let reason = storable::ascii(
+            &format!(
+                "{reason}; stored in part (topic cut to 255 bytes, no key or headers, the payload is the message's first 64 KiB as text): the database refused it as it was: {refused}"
+            ),
+            8 * 1024,
+        );
+        self.insert_stream_dead(
+            &storable::ascii(stream_id, 255),
+            &storable::ascii(topic, 255),
+            None,
+            &serde_json::Value::String(storable::ascii(content, 64 * 1024)),
+            &serde_json::json!({}),
+            created_at,
+            &reason,
+        )
+        .await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn insert_stream_dead(
         &self,
         stream_id: &str,
         topic: &str,

@@ -132,7 +132,14 @@ pub async fn deliver(
                         &m.payload,
                         &m.headers,
                         m.created_at.unwrap_or(item.committed_at),
-                        &format!("stream: no route serves topic {:?}", m.topic),
+                        &format!(
+                            "stream: no route serves topic {:?}",
+                            if m.topic.len() > 255 {
+                                crate::store::storable::ascii(&m.topic, 255)
+                            } else {
+                                m.topic.clone()
+                            }
+                        ),
                         stop,
                     )
                     .await?;
@@ -302,7 +309,10 @@ async fn dead(
 }
 
 /// Dead-letters one stream message, retrying while the database is away (the position cannot
-/// pass a message that is neither delivered nor dead-lettered).
+/// pass a message that is neither delivered nor dead-lettered). When the database answers twice
+/// in the same words that it refuses the message as it is (a value past one of its limits), the
+/// message is stored in part ([`Store::stream_dead_letter_in_part`]): one message's bytes never
+/// stop the stream.
 #[allow(clippy::too_many_arguments)]
 async fn dead_letter(
     store: &Store,
@@ -317,21 +327,60 @@ async fn dead_letter(
 ) -> Result<(), Stopped> {
     let headers = serde_json::to_value(headers).expect("a string map is JSON");
     let mut pause = Duration::from_millis(100);
+    // The database's last answer to the whole message, and how many times in a row it gave it.
+    let (mut answer, mut times) = (String::new(), 0u32);
     loop {
-        match store
-            .stream_dead_letter(id, topic, key, payload, &headers, created_at, reason)
-            .await
-        {
-            Ok(_) => {
-                tracing::warn!(
-                    stream_id = id,
+        let in_part = times >= 2;
+        let result = if in_part {
+            let content = serde_json::json!({"key": key, "headers": &headers, "payload": payload});
+            store
+                .stream_dead_letter_in_part(
+                    id,
                     topic,
+                    &content.to_string(),
+                    created_at,
                     reason,
-                    "stream: message dead-lettered"
-                );
+                    &answer,
+                )
+                .await
+        } else {
+            store
+                .stream_dead_letter(id, topic, key, payload, &headers, created_at, reason)
+                .await
+        };
+        match result {
+            Ok(_) => {
+                if in_part {
+                    tracing::error!(stream_id = id, topic = %crate::store::storable::ascii(topic, 255), reason, refused = %answer, "stream: message dead-lettered in part: the database refused it as it was");
+                } else {
+                    tracing::warn!(stream_id = id, topic = %crate::store::storable::ascii(topic, 255), reason, "stream: message dead-lettered");
+                }
                 return Ok(());
             }
+            Err(crate::Error::Database(diesel::result::Error::DatabaseError(kind, info)))
+                if !in_part
+                    && !matches!(
+                        kind,
+                        diesel::result::DatabaseErrorKind::ClosedConnection
+                            | diesel::result::DatabaseErrorKind::UnableToSendCommand
+                    ) =>
+            {
+                // The server answered: the message, or a passing state of the database (a lock,
+                // a failover's read-only moment)? The same answer twice says the message.
+                let said = info.message().to_owned();
+                tracing::warn!(stream_id = id, error = %said, "stream: the database refused the dead letter");
+                if said == answer {
+                    times += 1;
+                } else {
+                    (answer, times) = (said, 1);
+                }
+                if times >= 2 {
+                    continue;
+                }
+            }
             Err(e) => {
+                // Even the storable part was refused, or no answer: the database is away.
+                times = 0;
                 tracing::warn!(stream_id = id, error = %e, "stream: cannot write the dead letter yet")
             }
         }

@@ -206,6 +206,18 @@ impl TestDb {
         r.v
     }
 
+    /// Runs one SQL statement that returns a single text `v` (for assertions and messages).
+    #[allow(dead_code)]
+    pub fn text(&self, sql: &str) -> String {
+        #[derive(diesel::QueryableByName)]
+        struct V {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            v: String,
+        }
+        let r: V = diesel::sql_query(sql).get_result(&mut self.conn()).unwrap();
+        r.v
+    }
+
     pub fn exec(&self, sql: &str) {
         use diesel::connection::SimpleConnection;
         self.conn().batch_execute(sql).unwrap();
