@@ -117,3 +117,35 @@ async fn content_postgresql_cannot_store_is_dead_lettered_and_the_stream_goes_on
         3
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_emitted_outside_its_transaction_is_dead_lettered_not_delivered() {
+    let server = logical();
+    let db = stream_db(&server).await;
+    let relay = Relay::start(&db.url, REV_ONLY);
+    // PostgreSQL streams a non-transactional message at once: this one's transaction rolls back.
+    db.exec(
+        r#"BEGIN;
+           SELECT pg_logical_emit_message(false, 'postbox', '{"v":1,"topic":"rev.nontx","payload":{"n":0}}');
+           ROLLBACK;"#,
+    );
+    publish(&db, "rev.tx", 1);
+    assert!(
+        relay.wait_lines(1, Duration::from_secs(30)),
+        "{}",
+        relay.log()
+    );
+    assert!(wait(Duration::from_secs(10), || {
+        db.scalar(
+        "SELECT count(*) AS v FROM postbox.dead_letters
+         WHERE topic = 'rev.nontx' AND payload = '{\"n\":0}' AND reason LIKE '%transactional = false%'"
+    ) == 1
+    }));
+    // In stream order it came first: had it been delivered, it would be in the log already.
+    let topics: Vec<String> = relay
+        .lines()
+        .iter()
+        .map(|l| l["topic"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(topics, vec!["rev.tx"]);
+}

@@ -20,7 +20,13 @@ pub struct Item {
     pub committed_at: DateTime<Utc>,
     /// What it says, or why it cannot be read.
     pub message: Result<Encoded, (DecodeError, String)>,
+    /// Why it is dead-lettered however it reads (emitted outside a transaction).
+    pub refused: Option<&'static str>,
 }
+
+/// Why a message emitted with `transactional = false` is dead-lettered: PostgreSQL writes it at
+/// once, whether its transaction commits or not, so it may come from one that rolled back.
+pub const NOT_TRANSACTIONAL: &str = "stream: emitted with transactional = false: PostgreSQL streams such a message at once, even when its transaction rolls back, so it cannot be told from one that did; publish with pg_logical_emit_message(true, 'postbox', …)";
 
 /// How many times a message a sink answers `Retry` for is sent again before it is dead-lettered
 /// (a stream message has no attempts column: this bounds a poison message's hold on the stream).
@@ -111,6 +117,21 @@ pub async fn deliver(
                     &Default::default(),
                     item.committed_at,
                     &format!("stream: {why}"),
+                    stop,
+                )
+                .await?;
+                done.dead_lettered += 1;
+            }
+            Ok(m) if item.refused.is_some() => {
+                dead_letter(
+                    store,
+                    &item.id,
+                    &m.topic,
+                    m.key.as_deref(),
+                    &m.payload,
+                    &m.headers,
+                    m.created_at.unwrap_or(item.committed_at),
+                    item.refused.unwrap_or_default(),
                     stop,
                 )
                 .await?;

@@ -20,7 +20,10 @@
 //! Unknown fields are ignored, so a later version 1 writer may add optional ones. A writer in
 //! another language publishes with `SELECT postbox.publish(ARRAY['{"v":1,"topic":"t"}'])` (checks
 //! that a stream slot exists) or plainly with
-//! `SELECT pg_logical_emit_message(true, 'postbox', '{"v":1,"topic":"t"}')`.
+//! `SELECT pg_logical_emit_message(true, 'postbox', '{"v":1,"topic":"t"}')`. A message emitted
+//! with `transactional = false` is dead-lettered, never delivered: PostgreSQL streams it at once,
+//! even when its transaction rolls back. Content PostgreSQL cannot store in a dead letter (a NUL)
+//! is stored with U+FFFD in its place.
 
 use std::collections::BTreeMap;
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
 use tokio_util::sync::CancellationToken;
 
-use super::deliver::{Delivered, Item, Stopped, deliver};
+use super::deliver::{Delivered, Item, NOT_TRANSACTIONAL, Stopped, deliver};
 use super::encoding::{Encoded, PREFIX};
 use crate::sink::Sink;
 use crate::store::Store;
@@ -404,16 +404,18 @@ impl Streamer {
                     lsn,
                     transactional,
                 } if prefix == PREFIX => {
-                    let (commit, at, index) = match (&mut tx, transactional) {
+                    let (commit, at, index, refused) = match (&mut tx, transactional) {
                         (Some((commit, at, n)), true) => {
                             *n += 1;
-                            (*commit, *at, *n - 1)
+                            (*commit, *at, *n - 1, None)
                         }
-                        // Emitted outside a transaction: its own position is its id.
-                        _ => (lsn.0, chrono::Utc::now(), 0),
+                        // Emitted outside a transaction: its own position is its id, and it is
+                        // dead-lettered (it may come from a transaction that rolled back).
+                        _ => (lsn.0, chrono::Utc::now(), 0, Some(NOT_TRANSACTIONAL)),
                     };
                     batch.bytes += content.len();
                     batch.items.push(Item {
+                        refused,
                         id: stream_id(commit, index),
                         committed_at: at,
                         message: Encoded::decode(&content).map_err(|e| {
