@@ -425,7 +425,8 @@ fn a_long_silence_while_the_server_decodes_other_writes_is_not_taken_for_a_dead_
 }
 
 #[test]
-fn a_lost_or_dropped_slot_stops_the_stream_loudly_until_an_operator_sets_it_up_again() {
+fn a_lost_or_dropped_slot_stops_the_stream_loudly_and_running_relays_stream_the_new_one_after_setup()
+ {
     let server = OwnServer::start(&[
         "wal_level=logical",
         "max_slot_wal_keep_size=1MB",
@@ -450,7 +451,6 @@ fn a_lost_or_dropped_slot_stops_the_stream_loudly_until_an_operator_sets_it_up_a
         == Some(1.0)));
     let e = postbox::publish(&mut db.conn(), &Message::new("t")).unwrap_err();
     assert!(e.to_string().contains("no postbox stream slot"), "{e}");
-    drop(relay);
     let cli = |args: &[&str]| {
         hermetic(env!("CARGO_BIN_EXE_postbox"))
             .args(args)
@@ -464,6 +464,26 @@ fn a_lost_or_dropped_slot_stops_the_stream_loudly_until_an_operator_sets_it_up_a
         out.status.success() && err.contains("was lost: messages published in"),
         "{err}"
     );
+    // The running relay streams the new slot: what is published now is delivered, and the
+    // metric says the slot is there again.
+    postbox::publish(
+        &mut db.conn(),
+        &Message::new("t").payload(&serde_json::json!({ "n": 1 })),
+    )
+    .unwrap();
+    assert!(
+        relay.wait_lines(1, Duration::from_secs(20)),
+        "{}",
+        relay.log()
+    );
+    assert_eq!(relay.lines()[0]["payload"]["n"], 1);
+    assert!(wait(Duration::from_secs(10), || relay
+        .metric("postbox_stream_slot_lost")
+        == Some(0.0)));
+    assert!(wait(Duration::from_secs(10), || relay
+        .metric("postbox_stream_active")
+        == Some(1.0)));
+    drop(relay);
     // Lost to max_slot_wal_keep_size: WAL written while no relay reads the slot.
     db.exec("CREATE TABLE filler (x text)");
     for _ in 0..6 {
@@ -483,6 +503,21 @@ fn a_lost_or_dropped_slot_stops_the_stream_loudly_until_an_operator_sets_it_up_a
     assert!(wait(Duration::from_secs(10), || relay
         .metric("postbox_stream_slot_lost")
         == Some(1.0)));
+    assert!(cli(&["stream", "setup"]).status.success());
+    postbox::publish(
+        &mut db.conn(),
+        &Message::new("t").payload(&serde_json::json!({ "n": 2 })),
+    )
+    .unwrap();
+    assert!(
+        relay.wait_lines(1, Duration::from_secs(20)),
+        "{}",
+        relay.log()
+    );
+    assert_eq!(relay.lines()[0]["payload"]["n"], 2);
+    assert!(wait(Duration::from_secs(10), || relay
+        .metric("postbox_stream_slot_lost")
+        == Some(0.0)));
 }
 
 #[test]

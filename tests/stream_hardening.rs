@@ -102,7 +102,9 @@ async fn content_postgresql_cannot_store_is_dead_lettered_and_the_stream_goes_on
         "{}",
         relay.log()
     );
-    // Restarted, the relay streams on from after them: nothing again, nothing stuck.
+    // Stopped and restarted, the relay streams on from after them: nothing again, nothing stuck.
+    let mut relay = relay;
+    relay.terminate();
     drop(relay);
     let relay = Relay::start(&db.url, REV_ONLY);
     publish(&db, "rev.nul", 4);
@@ -148,4 +150,165 @@ async fn a_message_emitted_outside_its_transaction_is_dead_lettered_not_delivere
         .map(|l| l["topic"].as_str().unwrap().to_owned())
         .collect();
     assert_eq!(topics, vec!["rev.tx"]);
+}
+
+fn cli(db: &TestDb, args: &[&str]) -> std::process::Output {
+    common::hermetic(env!("CARGO_BIN_EXE_postbox"))
+        .args(args)
+        .env("POSTBOX_DATABASE_URL", &db.url)
+        .output()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_publication_is_named_publish_refuses_and_a_new_slot_streams_again() {
+    let server = logical();
+    let db = stream_db(&server).await;
+    db.exec("CREATE TABLE app (x int)");
+    let relay = Relay::start(&db.url, REV_ONLY);
+    publish(&db, "rev.p", 1);
+    assert!(
+        relay.wait_lines(1, Duration::from_secs(30)),
+        "{}",
+        relay.log()
+    );
+    // Dropped behind postbox's back: publish refuses, naming it.
+    db.exec("DROP PUBLICATION postbox_stream");
+    let e = postbox::publish(&mut db.conn(), &Message::new("rev.p")).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("publication of the stream slot is missing"),
+        "{e}"
+    );
+    let out = cli(&db, &["stream", "status"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !out.status.success() && text.contains("BROKEN (its publication is missing"),
+        "{text}"
+    );
+    // A table write ends the relay's session; it says what is missing instead of reconnecting
+    // blindly, and the stream counts as stalled.
+    db.exec("INSERT INTO app VALUES (1)");
+    assert!(
+        wait(Duration::from_secs(30), || relay.log().contains(
+            "publication \"postbox_stream\" does not exist in this database"
+        )),
+        "{}",
+        relay.log()
+    );
+    assert!(wait(Duration::from_secs(10), || relay
+        .metric("postbox_stream_stalled_seconds")
+        .is_some_and(|s| s > 0.0)));
+    // Created again, PostgreSQL still cannot decode the table change written without it (before
+    // PostgreSQL 18): the relay says the slot is stuck and how to start a new one.
+    assert!(cli(&db, &["stream", "setup"]).status.success());
+    assert!(
+        wait(Duration::from_secs(60), || relay.log().contains(
+            "the slot is stuck on WAL written while publication"
+        )),
+        "{}",
+        relay.log()
+    );
+    let reconnects = relay.log().matches("session ended").count();
+    assert!(
+        reconnects <= 3,
+        "reconnects without a back-off:\n{}",
+        relay.log()
+    );
+    let dropped = wait(Duration::from_secs(60), || {
+        cli(&db, &["stream", "drop"]).status.success()
+    });
+    assert!(dropped, "{}", relay.log());
+    assert!(cli(&db, &["stream", "setup"]).status.success());
+    publish(&db, "rev.p", 2);
+    assert!(
+        wait(Duration::from_secs(60), || relay
+            .lines()
+            .iter()
+            .any(|l| l["payload"]["n"] == 2)),
+        "{}",
+        relay.log()
+    );
+    assert!(wait(Duration::from_secs(10), || relay
+        .metric("postbox_stream_stalled_seconds")
+        == Some(0.0)));
+}
+
+/// The check `publish` makes (wal_level, slot, publication) holds on its connection for
+/// `CHECK_HOLDS`, recorded in a session setting: a check from a rolled-back transaction is not
+/// remembered, and a setting that lies too far ahead (a clock set back) is not believed.
+#[test]
+fn publish_remembers_its_check_for_at_most_a_second_and_never_from_a_rollback() {
+    use diesel::connection::SimpleConnection;
+    let server = logical();
+    let db = futures_executor(stream_db(&server));
+    let setting = |c: &mut diesel::PgConnection| {
+        #[derive(diesel::QueryableByName)]
+        struct S {
+            #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+            v: Option<String>,
+        }
+        use diesel::RunQueryDsl;
+        diesel::sql_query("SELECT current_setting('postbox.stream_checked_until', true) AS v")
+            .get_result::<S>(c)
+            .unwrap()
+            .v
+            .unwrap_or_default()
+    };
+    let stamp = |ahead: Duration| {
+        format!(
+            "{:020}",
+            (std::time::SystemTime::now() + ahead)
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_micros()
+        )
+    };
+    let mut rolled_back = db.conn();
+    rolled_back.batch_execute("BEGIN").unwrap();
+    postbox::publish(&mut rolled_back, &Message::new("rev.c")).unwrap();
+    assert!(!setting(&mut rolled_back).is_empty());
+    rolled_back.batch_execute("ROLLBACK").unwrap();
+    assert_eq!(setting(&mut rolled_back), "");
+    let mut checked = db.conn();
+    postbox::publish(&mut checked, &Message::new("rev.c")).unwrap();
+    let until = setting(&mut checked);
+    assert!(
+        until > stamp(Duration::ZERO) && until <= stamp(postbox::stream::CHECK_HOLDS),
+        "{until}"
+    );
+    db.exec("DROP PUBLICATION postbox_stream");
+    // Not remembered from the rollback, nor on a new connection: refused.
+    for mut c in [rolled_back, db.conn()] {
+        let e = postbox::publish(&mut c, &Message::new("rev.c")).unwrap_err();
+        assert!(e.to_string().contains("publication"), "{e}");
+        let e = postbox::publish_many(&mut c, &[Message::new("a"), Message::new("b")]).unwrap_err();
+        assert!(e.to_string().contains("publication"), "{e}");
+    }
+    // Within the window the check is not made again (the promise says "at most CHECK_HOLDS
+    // before"); past it, or too far ahead, it is.
+    let mut c = db.conn();
+    c.batch_execute(&format!(
+        "SET postbox.stream_checked_until = '{}'",
+        stamp(Duration::from_millis(500))
+    ))
+    .unwrap();
+    postbox::publish(&mut c, &Message::new("rev.c")).unwrap();
+    postbox::publish_many(&mut c, &[Message::new("a"), Message::new("b")]).unwrap();
+    for s in [stamp(Duration::from_secs(3600)), "0".repeat(20)] {
+        c.batch_execute(&format!("SET postbox.stream_checked_until = '{s}'"))
+            .unwrap();
+        let e = postbox::publish(&mut c, &Message::new("rev.c")).unwrap_err();
+        assert!(e.to_string().contains("publication"), "{e}");
+        let e = postbox::publish_many(&mut c, &[Message::new("a"), Message::new("b")]).unwrap_err();
+        assert!(e.to_string().contains("publication"), "{e}");
+    }
+}
+
+fn futures_executor<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
 }

@@ -319,7 +319,9 @@ impl Metrics {
 
     /// The text exposition format.
     pub fn render(&self) -> String {
-        self.claims.update(std::time::Instant::now());
+        let now = std::time::Instant::now();
+        self.claims.update(now);
+        self.stream.update(now);
         let mut buf = Vec::new();
         TextEncoder::new()
             .encode(&self.registry.gather(), &mut buf)

@@ -1,6 +1,9 @@
 //! Stream mode's metrics: the streamer's state (active, messages), and the slot as the server
 //! sees it (lag, WAL status, safe WAL size), sampled with the other database gauges.
 
+use std::sync::Mutex;
+use std::time::Instant;
+
 use prometheus::{Gauge, GaugeVec, IntCounterVec, Registry};
 
 use super::{Metrics, counter_vec, gauge, gauge_vec};
@@ -20,9 +23,33 @@ pub(super) struct StreamMetrics {
     retained_bytes: GaugeVec,
     safe_wal_size: GaugeVec,
     wal_status: GaugeVec,
+    stalled: Gauge,
+    /// Since when the batch being delivered has waited.
+    #[cfg_attr(not(feature = "stream"), allow(dead_code))]
+    pending_since: Mutex<Option<Instant>>,
+    /// Since when this relay has failed to stream.
+    #[cfg_attr(not(feature = "stream"), allow(dead_code))]
+    broken_since: Mutex<Option<Instant>>,
 }
 
+/// The streamer's name among what `/healthz` watches.
+#[cfg(feature = "stream")]
+const ALIVE_NAME: &str = "stream";
+
 impl StreamMetrics {
+    /// Sets the stall gauge as of `now` (before a scrape is rendered).
+    pub(super) fn update(&self, now: Instant) {
+        let pending = *self.pending_since.lock().expect("stream pending lock");
+        let broken = *self.broken_since.lock().expect("stream broken lock");
+        self.stalled.set(
+            [pending, broken]
+                .into_iter()
+                .flatten()
+                .map(|at| now.saturating_duration_since(at).as_secs_f64())
+                .fold(0.0, f64::max),
+        );
+    }
+
     pub(super) fn register(r: &Registry) -> Self {
         StreamMetrics {
             active: gauge(
@@ -71,6 +98,13 @@ impl StreamMetrics {
                 "1 for the slot's current wal_status (reserved, extended, unreserved, lost; missing: the slot was dropped).",
                 &["slot", "status"],
             ),
+            stalled: gauge(
+                r,
+                "postbox_stream_stalled_seconds",
+                "How long the stream has been stalled on this relay: the batch being delivered waiting for its sink (or its dead letters for the database), or the relay failing to stream (sessions ending in errors, a missing publication, the database away); 0 while it streams or stands by.",
+            ),
+            pending_since: Mutex::new(None),
+            broken_since: Mutex::new(None),
         }
     }
 }
@@ -110,6 +144,10 @@ impl Metrics {
                 s.slot_lost.set(1.0);
             }
         }
+        // Back to 0 once every slot can be streamed again (`postbox stream setup` replaced it).
+        if !slots.is_empty() && !slots.iter().any(StreamSlot::is_lost) {
+            s.slot_lost.set(0.0);
+        }
     }
 }
 
@@ -133,5 +171,39 @@ impl crate::stream::StreamObserver for Metrics {
     fn stream_lost(&self) {
         self.stream.slot_lost.set(1.0);
         self.stream.active.set(0.0);
+    }
+
+    fn stream_slot_ready(&self) {
+        self.stream.slot_lost.set(0.0);
+    }
+
+    fn stream_pending(&self, since: Option<Instant>) {
+        *self
+            .stream
+            .pending_since
+            .lock()
+            .expect("stream pending lock") = since;
+    }
+
+    fn stream_broken(&self, since: Option<Instant>) {
+        *self.stream.broken_since.lock().expect("stream broken lock") = since;
+    }
+
+    fn stream_sink_up(&self, sink: &str, up: bool) {
+        crate::engine::Observer::sink_up(self, sink, up);
+    }
+
+    fn stream_alive(&self) {
+        crate::engine::Observer::alive(self, ALIVE_NAME);
+    }
+
+    fn stream_stopped(&self) {
+        self.alive.lock().expect("alive lock").remove(ALIVE_NAME);
+        *self
+            .stream
+            .pending_since
+            .lock()
+            .expect("stream pending lock") = None;
+        *self.stream.broken_since.lock().expect("stream broken lock") = None;
     }
 }

@@ -359,6 +359,7 @@ pub async fn run(
             store.clone(),
             metrics.clone(),
             shutdown.clone(),
+            hard_stop.clone(),
         )?),
         _ => None,
     };

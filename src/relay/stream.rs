@@ -44,6 +44,8 @@ pub(super) fn text(slot: &StreamSlot) -> String {
         "DROPPED (messages published since its last position were not delivered)".to_owned()
     } else if slot.wal_status.as_deref() == Some("lost") {
         "LOST (the server removed WAL it had not delivered)".to_owned()
+    } else if !slot.publication_exists {
+        "BROKEN (its publication is missing: no relay can stream, publish refuses; `postbox stream setup` creates it)".to_owned()
     } else if slot.active {
         format!(
             "streaming (server pid {})",
@@ -75,6 +77,7 @@ pub(super) fn slot_json(s: &StreamSlot) -> serde_json::Value {
         "safe_wal_size": s.safe_wal_size, "confirmed_lsn": s.confirmed_lsn,
         "current_lsn": s.current_lsn, "lag_bytes": s.lag_bytes,
         "retained_bytes": s.retained_bytes, "lost": s.is_lost(),
+        "publication_exists": s.publication_exists, "broken": s.is_broken(),
     })
 }
 
@@ -113,6 +116,7 @@ pub async fn run(settings: &Settings, command: StreamCommand) -> Result<()> {
         StreamCommand::Status { json } => {
             let slots = store.stream_status(None).await?;
             let lost = slots.iter().any(StreamSlot::is_lost);
+            let broken = slots.iter().any(StreamSlot::is_broken);
             if json {
                 let rows: Vec<serde_json::Value> = slots.iter().map(slot_json).collect();
                 println!("{}", serde_json::Value::Array(rows));
@@ -126,6 +130,11 @@ pub async fn run(settings: &Settings, command: StreamCommand) -> Result<()> {
             if lost {
                 return Err(RelayError::Runtime(anyhow::anyhow!(
                     "a stream slot is lost: run `postbox stream setup` to replace it"
+                )));
+            }
+            if broken {
+                return Err(RelayError::Runtime(anyhow::anyhow!(
+                    "a stream slot's publication is missing: run `postbox stream setup` to create it"
                 )));
             }
         }
@@ -159,6 +168,7 @@ pub fn spawn(
     store: Store,
     metrics: Arc<Metrics>,
     stop: CancellationToken,
+    hard_stop: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<crate::stream::StreamReport>> {
     let streamer = crate::stream::Streamer {
         url: settings.database_url.clone(),
@@ -171,13 +181,17 @@ pub fn spawn(
             takeover_interval: s.takeover_interval,
             liveness_interval: s.liveness_interval,
             max_backoff: settings.engine.max_unavailable_backoff,
+            delivery_timeout: settings.engine.delivery_timeout,
+            topic_timeouts: settings.engine.topic_timeouts.clone(),
+            shutdown_deadline: settings.engine.shutdown_deadline,
+            payload_budget: settings.engine.payload_budget,
         },
         sinks,
         store,
         observer: Some(metrics),
     };
     Ok(tokio::spawn(async move {
-        match streamer.run(stop).await {
+        match streamer.run_until(stop, hard_stop).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(error = %e, "stream: stopped");
@@ -196,6 +210,7 @@ pub fn spawn(
     _store: Store,
     _metrics: Arc<Metrics>,
     _stop: CancellationToken,
+    _hard_stop: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<StreamReportStub>> {
     Err(RelayError::Usage(
         "stream: this build has no stream mode (feature `stream`)".into(),

@@ -50,12 +50,21 @@ pub struct StreamSlot {
     /// names are the server's): this database's slot cannot exist under it.
     #[diesel(sql_type = Bool)]
     pub name_taken: bool,
+    /// Whether the publication exists (without it the server ends every session at the first
+    /// table change it decodes: nothing is delivered).
+    #[diesel(sql_type = Bool)]
+    pub publication_exists: bool,
 }
 
 impl StreamSlot {
     /// Whether the slot can no longer be streamed: lost (`wal_status = lost`) or dropped.
     pub fn is_lost(&self) -> bool {
         !self.exists || self.wal_status.as_deref() == Some("lost")
+    }
+
+    /// Whether no relay can stream it: lost, dropped, or its publication is missing.
+    pub fn is_broken(&self) -> bool {
+        self.is_lost() || !self.publication_exists
     }
 }
 
@@ -69,7 +78,9 @@ SELECT r.slot_name, r.publication, s.slot_name IS NOT NULL AS exists,
        EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots o
                WHERE o.slot_name = r.slot_name
                  AND (o.database IS DISTINCT FROM current_database() OR o.slot_type <> 'logical'))
-           AS name_taken
+           AS name_taken,
+       EXISTS (SELECT 1 FROM pg_catalog.pg_publication p WHERE p.pubname = r.publication)
+           AS publication_exists
 FROM postbox.stream_slots r
 LEFT JOIN pg_catalog.pg_replication_slots s
        ON s.slot_name = r.slot_name AND s.database = current_database()
@@ -239,6 +250,19 @@ impl Store {
             .execute(&mut *conn)
             .await?;
         result
+    }
+
+    /// Whether the publication a relay names when it streams exists in this database (the
+    /// server ends a session at the first table change it decodes without it).
+    pub async fn stream_publication_exists(&self, publication: &str) -> Result<bool> {
+        let mut conn = self.conn().await?;
+        let there: Flag = diesel::sql_query(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = $1) AS flag",
+        )
+        .bind::<Text, _>(publication)
+        .get_result(&mut *conn)
+        .await?;
+        Ok(there.flag)
     }
 
     /// Dead-letters a stream message (one the sink refused for good, or one that cannot be read)

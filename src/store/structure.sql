@@ -1281,6 +1281,17 @@ BEGIN
             USING ERRCODE = '55000',
                   HINT = 'Run `postbox stream setup` (an operator with the REPLICATION attribute); or enqueue the message instead.';
     END IF;
+    IF NOT EXISTS (
+        SELECT 1
+        FROM postbox.stream_slots r
+        JOIN pg_catalog.pg_replication_slots s ON s.slot_name = r.slot_name
+        JOIN pg_catalog.pg_publication p ON p.pubname = r.publication
+        WHERE s.database = current_database()
+    ) THEN
+        RAISE EXCEPTION 'postbox stream: the publication of the stream slot is missing in database %: relays cannot stream, nothing would be delivered', current_database()
+            USING ERRCODE = '55000',
+                  HINT = 'Run `postbox stream setup` (it creates the publication); or enqueue the message instead.';
+    END IF;
     SELECT count(pg_catalog.pg_logical_emit_message(true, 'postbox', c) ORDER BY i)
     INTO v_n
     FROM unnest(p_contents) WITH ORDINALITY AS u(c, i);

@@ -7,6 +7,11 @@ use pgwire_replication::{ReplicationConfig, SslMode, TlsConfig};
 
 use crate::store::connect::{TlsMode, tls_mode};
 
+/// How soon a delivered batch's position reaches the server, at most: a status update goes out
+/// at most this often while the stream moves, so a relay killed loses at most this much of
+/// confirmed work (it is streamed again) beyond the batches it was delivering.
+pub const CONFIRM_EVERY: Duration = Duration::from_millis(100);
+
 /// A replication session of `slot` and `publication` on the database `url` names.
 pub fn replication_config(
     url: &str,
@@ -70,7 +75,9 @@ pub fn replication_config(
     let mut cfg = ReplicationConfig::new(host, user, password, database, slot, publication)
         .with_port(port)
         .with_tls(tls)
-        .with_status_interval(status_interval)
+        // Confirmations as soon as a batch is delivered (at a bounded rate); `status_interval`
+        // paces the updates of an idle session.
+        .with_status_interval(status_interval.min(CONFIRM_EVERY))
         .with_wakeup_interval(status_interval)
         .with_buffer_size(buffer_events)
         .with_application_name("postbox-stream")

@@ -7,9 +7,23 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use futures_util::FutureExt;
 
+use super::StreamObserver;
 use super::encoding::{DecodeError, Encoded};
 use crate::sink::{Outcome, Sink};
 use crate::store::{ClaimedMessage, Store};
+
+/// What a batch is delivered with: the store (dead letters), the routes' sinks, the stream's
+/// settings (timeouts, back-off) and who is told (metrics).
+pub struct Route {
+    /// The store.
+    pub store: Store,
+    /// The sinks, one per route, in the order of the routes.
+    pub sinks: Vec<Arc<dyn Sink>>,
+    /// The stream's settings.
+    pub config: super::StreamConfig,
+    /// Told about sinks, liveness and progress.
+    pub observer: Option<Arc<dyn StreamObserver>>,
+}
 
 /// A message read from the stream, not yet delivered.
 #[derive(Debug, Clone)]
@@ -33,6 +47,9 @@ pub const NOT_TRANSACTIONAL: &str = "stream: emitted with transactional = false:
 /// The waits between tries double from `FIRST_RETRY` (500 ms) (or are the delay the sink asked for, if
 /// longer) up to the relay's longest back-off: about 2.5 minutes in all with the defaults.
 pub const MAX_RETRIES: u32 = 10;
+
+/// How long a sink may take over a batch before the stream says it waits for it.
+const SLOW_SINK: Duration = Duration::from_secs(10);
 
 /// The first wait before a message a sink answered `Retry` for is sent again.
 pub const FIRST_RETRY: Duration = Duration::from_millis(500);
@@ -93,13 +110,17 @@ fn claimed(id: String, m: Encoded, committed_at: DateTime<Utc>) -> ClaimedMessag
 /// back-off, without counting attempts, and the messages from its first undelivered one on are
 /// sent again, so a key's messages reach it in commit order.
 pub async fn deliver(
-    store: &Store,
-    sinks: &[Arc<dyn Sink>],
+    route: &Route,
     items: Vec<Item>,
-    max_backoff: Duration,
     stop: &tokio_util::sync::CancellationToken,
     session_alive: &(dyn Fn() -> bool + Sync),
 ) -> Result<Delivered, Stopped> {
+    let (sinks, max_backoff) = (&route.sinks[..], route.config.max_backoff);
+    let observe = |f: &dyn Fn(&dyn StreamObserver)| {
+        if let Some(o) = &route.observer {
+            f(o.as_ref());
+        }
+    };
     let mut done = Delivered::default();
     let mut pending: Vec<Slot> = Vec::with_capacity(items.len());
     // Each sink's topics, read once (not once a message).
@@ -109,7 +130,7 @@ pub async fn deliver(
             Err((why, raw)) => {
                 let payload = serde_json::Value::String(raw);
                 dead_letter(
-                    store,
+                    route,
                     &item.id,
                     "(undecodable)",
                     None,
@@ -124,7 +145,7 @@ pub async fn deliver(
             }
             Ok(m) if item.refused.is_some() => {
                 dead_letter(
-                    store,
+                    route,
                     &item.id,
                     &m.topic,
                     m.key.as_deref(),
@@ -146,7 +167,7 @@ pub async fn deliver(
                 }),
                 None => {
                     dead_letter(
-                        store,
+                        route,
                         &item.id,
                         &m.topic,
                         m.key.as_deref(),
@@ -175,6 +196,7 @@ pub async fn deliver(
         if !session_alive() {
             return Err(Stopped::SessionLost);
         }
+        observe(&|o| o.stream_alive());
         // Every sink's share, in order, sent concurrently across sinks.
         let rounds = sinks.iter().enumerate().map(|(s, sink)| {
             let mine: Vec<&Slot> = pending.iter().filter(|p| p.sink == s).collect();
@@ -184,9 +206,39 @@ pub async fn deliver(
                     let batch: Vec<ClaimedMessage> =
                         chunk.iter().map(|p| p.message.clone()).collect();
                     let n = batch.len();
-                    let result = std::panic::AssertUnwindSafe(sink.deliver(batch))
-                        .catch_unwind()
-                        .await;
+                    let timeout = batch
+                        .iter()
+                        .map(|m| route.config.timeout_for(&m.topic))
+                        .max()
+                        .unwrap_or(route.config.delivery_timeout);
+                    let delivery = tokio::time::timeout(
+                        timeout,
+                        std::panic::AssertUnwindSafe(sink.deliver(batch)).catch_unwind(),
+                    );
+                    tokio::pin!(delivery);
+                    // A sink that takes long is said to (the stream waits on it) before the
+                    // delivery timeout calls it unavailable.
+                    let slow = tokio::time::sleep(SLOW_SINK.min(timeout));
+                    tokio::pin!(slow);
+                    let mut said = false;
+                    let result = loop {
+                        tokio::select! {
+                            r = &mut delivery => break r,
+                            _ = &mut slow, if !said => {
+                                said = true;
+                                tracing::warn!(sink = sink.name(), messages = n, waited = ?SLOW_SINK.min(timeout), delivery_timeout = ?timeout, "stream: the sink has not taken the batch yet; the stream waits for it");
+                            }
+                        }
+                    };
+                    let up = matches!(result, Ok(Ok(Ok(_))));
+                    observe(&|o| o.stream_sink_up(sink.name(), up));
+                    let result = match result {
+                        Ok(r) => r,
+                        Err(_) => Ok(Err(crate::sink::Unavailable::new(format!(
+                            "sink {} did not answer within the delivery timeout ({timeout:?})",
+                            sink.name()
+                        )))),
+                    };
                     match result {
                         Ok(Ok(o)) if o.len() == n => outcomes.extend(o),
                         Ok(Ok(o)) => outcomes.extend(std::iter::repeat_n(
@@ -247,12 +299,12 @@ pub async fn deliver(
                 match outcome {
                     Some(Outcome::Delivered) => done.delivered += 1,
                     Some(Outcome::Dead { reason }) => {
-                        dead(store, &p, &reason, stop).await?;
+                        dead(route, &p, &reason, stop).await?;
                         done.dead_lettered += 1;
                     }
                     Some(Outcome::Retry { reason, .. }) if p.retries + 1 >= MAX_RETRIES => {
                         dead(
-                            store,
+                            route,
                             &p,
                             &format!("{reason} (after {MAX_RETRIES} tries)"),
                             stop,
@@ -309,14 +361,14 @@ pub async fn deliver(
 }
 
 async fn dead(
-    store: &Store,
+    route: &Route,
     p: &Slot,
     reason: &str,
     stop: &tokio_util::sync::CancellationToken,
 ) -> Result<(), Stopped> {
     let m = &p.message;
     dead_letter(
-        store,
+        route,
         m.stream_id.as_deref().unwrap_or_default(),
         &m.topic,
         m.key.as_deref(),
@@ -336,7 +388,7 @@ async fn dead(
 /// stop the stream.
 #[allow(clippy::too_many_arguments)]
 async fn dead_letter(
-    store: &Store,
+    route: &Route,
     id: &str,
     topic: &str,
     key: Option<&str>,
@@ -346,11 +398,16 @@ async fn dead_letter(
     reason: &str,
     stop: &tokio_util::sync::CancellationToken,
 ) -> Result<(), Stopped> {
+    let store = &route.store;
     let headers = serde_json::to_value(headers).expect("a string map is JSON");
     let mut pause = Duration::from_millis(100);
     // The database's last answer to the whole message, and how many times in a row it gave it.
     let (mut answer, mut times) = (String::new(), 0u32);
     loop {
+        // Waiting for the database is not being stuck.
+        if let Some(o) = &route.observer {
+            o.stream_alive();
+        }
         let in_part = times >= 2;
         let result = if in_part {
             let content = serde_json::json!({"key": key, "headers": &headers, "payload": payload});

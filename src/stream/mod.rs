@@ -17,8 +17,10 @@ mod publish;
 mod relay;
 
 #[cfg(feature = "stream")]
+pub use connect::CONFIRM_EVERY;
+#[cfg(feature = "stream")]
 pub use deliver::{Delivered, MAX_RETRIES};
-pub use publish::{encode, publish, publish_many};
+pub use publish::{CHECK_HOLDS, encode, publish, publish_many};
 #[cfg(feature = "async")]
 pub use publish::{publish_async, publish_many_async};
 #[cfg(feature = "stream")]

@@ -1,4 +1,16 @@
 //! `publish`: a message into the WAL inside the caller's transaction (stream mode).
+//!
+//! The check that a stream will read what is emitted (`wal_level`, the slot, its publication)
+//! costs more than the emit itself when commits do not wait for the disk
+//! (`synchronous_commit = off`). Each connection therefore remembers, in the session setting
+//! `postbox.stream_checked_until`, until when its last check holds ([`CHECK_HOLDS`]): within
+//! that time a publish emits in one statement whose only extra work is reading the setting; after
+//! it, the statement finds nothing to do and `postbox.publish` checks again and sets it. A setting
+//! from a rolled-back transaction is rolled back with it. The times are the app's clock (the
+//! check is never skipped when the setting lies further ahead than [`CHECK_HOLDS`], so a clock
+//! set back, or another process's clock through a transaction pooler, costs a check, not a skip).
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use chrono::Utc;
 
@@ -6,15 +18,56 @@ use super::encoding::{Encoded, VERSION};
 use crate::enqueue::ROWS_PER_STATEMENT;
 use crate::{InvalidMessage, Message, Result};
 
-/// The statement of one chunk: `postbox.publish` checks that a stream slot will read what it
-/// emits, then emits every element in order.
-const PUBLISH: &str = "SELECT postbox.publish($1) AS n";
+/// How long a connection's check holds: a slot or publication dropped less than this before a
+/// publish may still see it accepted (as one dropped just after the commit would lose it).
+pub const CHECK_HOLDS: Duration = Duration::from_secs(1);
+
+/// The statement of one message while the check holds: no row when it does not (a one-time
+/// filter: the emit is not evaluated).
+const EMIT_ONE: &str =
+    "SELECT (pg_catalog.pg_logical_emit_message(true, 'postbox', $1) IS NOT NULL)::int AS n
+    WHERE pg_catalog.current_setting('postbox.stream_checked_until', true) BETWEEN $2 AND $3";
+
+/// The statement of a chunk while the check holds: 0 when it does not.
+const EMIT_MANY: &str =
+    "SELECT count(pg_catalog.pg_logical_emit_message(true, 'postbox', c) ORDER BY i)::int AS n
+    FROM unnest($1::text[]) WITH ORDINALITY AS u(c, i)
+    WHERE pg_catalog.current_setting('postbox.stream_checked_until', true) BETWEEN $2 AND $3";
+
+/// The statement of a chunk when the check is due: `postbox.publish` checks that a stream slot
+/// will read what it emits, then emits every element in order; the setting records until when
+/// that check holds.
+const PUBLISH: &str = "SELECT postbox.publish($1) AS n,
+    pg_catalog.set_config('postbox.stream_checked_until', $2, false) AS until";
+
+/// Microseconds since the epoch as fixed-width text (ordered as text as as numbers).
+fn stamp(t: SystemTime) -> String {
+    format!(
+        "{:020}",
+        t.duration_since(UNIX_EPOCH).unwrap_or_default().as_micros()
+    )
+}
+
+/// The bind values of the checks: now, and now + [`CHECK_HOLDS`].
+fn window() -> (String, String) {
+    let now = SystemTime::now();
+    (stamp(now), stamp(now + CHECK_HOLDS))
+}
 
 #[derive(diesel::QueryableByName)]
 struct Published {
     #[diesel(sql_type = diesel::sql_types::Integer)]
+    n: i32,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Checked {
+    #[diesel(sql_type = diesel::sql_types::Integer)]
     #[allow(dead_code)]
     n: i32,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    #[allow(dead_code)]
+    until: String,
 }
 
 /// Validates `msg` as `enqueue` does, refuses what stream mode cannot honour, and encodes it.
@@ -67,9 +120,10 @@ fn contents(msgs: &[Message]) -> Result<Vec<String>> {
 
 /// Publishes `msg` into the WAL on `conn`, inside the caller's transaction: a relay with
 /// `[stream]` delivers it when, and only if, that transaction commits, in commit order. One
-/// round trip. Fails (and so fails the caller's transaction) when the server is not set up for
+/// round trip (two when the connection's check is due, at most once per [`CHECK_HOLDS`]). Fails (and so fails the caller's transaction) when the server is not set up for
 /// stream mode (`wal_level` below `logical`, or no postbox stream slot in this database): a
-/// message is never written where nothing will read it.
+/// message is never written where nothing will read it (checked at most [`CHECK_HOLDS`] before,
+/// on this connection).
 ///
 /// A delay, `run_at`, a priority, a dedup key or max attempts are refused with
 /// [`crate::Error::InvalidMessage`]: use [`crate::enqueue()`] for those.
@@ -91,11 +145,32 @@ pub fn publish(conn: &mut diesel::PgConnection, msg: &Message) -> Result<()> {
 /// are validated before anything is sent.
 pub fn publish_many(conn: &mut diesel::PgConnection, msgs: &[Message]) -> Result<()> {
     use diesel::RunQueryDsl;
+    use diesel::sql_types::{Array, Text};
     let contents = contents(msgs)?;
     for chunk in contents.chunks(ROWS_PER_STATEMENT) {
-        diesel::sql_query(PUBLISH)
-            .bind::<diesel::sql_types::Array<diesel::sql_types::Text>, _>(chunk)
-            .get_result::<Published>(conn)?;
+        let (now, until) = window();
+        let emitted = if let [one] = chunk {
+            !diesel::sql_query(EMIT_ONE)
+                .bind::<Text, _>(one)
+                .bind::<Text, _>(&now)
+                .bind::<Text, _>(&until)
+                .load::<Published>(conn)?
+                .is_empty()
+        } else {
+            diesel::sql_query(EMIT_MANY)
+                .bind::<Array<Text>, _>(chunk)
+                .bind::<Text, _>(&now)
+                .bind::<Text, _>(&until)
+                .get_result::<Published>(conn)?
+                .n
+                > 0
+        };
+        if !emitted {
+            diesel::sql_query(PUBLISH)
+                .bind::<Array<Text>, _>(chunk)
+                .bind::<Text, _>(&until)
+                .get_result::<Checked>(conn)?;
+        }
     }
     Ok(())
 }
@@ -115,13 +190,36 @@ pub async fn publish_many_async(
     conn: &mut diesel_async::AsyncPgConnection,
     msgs: &[Message],
 ) -> Result<()> {
+    use diesel::sql_types::{Array, Text};
     use diesel_async::RunQueryDsl;
     let contents = contents(msgs)?;
     for chunk in contents.chunks(ROWS_PER_STATEMENT) {
-        diesel::sql_query(PUBLISH)
-            .bind::<diesel::sql_types::Array<diesel::sql_types::Text>, _>(chunk)
-            .get_result::<Published>(conn)
-            .await?;
+        let (now, until) = window();
+        let emitted = if let [one] = chunk {
+            !diesel::sql_query(EMIT_ONE)
+                .bind::<Text, _>(one)
+                .bind::<Text, _>(&now)
+                .bind::<Text, _>(&until)
+                .load::<Published>(conn)
+                .await?
+                .is_empty()
+        } else {
+            diesel::sql_query(EMIT_MANY)
+                .bind::<Array<Text>, _>(chunk)
+                .bind::<Text, _>(&now)
+                .bind::<Text, _>(&until)
+                .get_result::<Published>(conn)
+                .await?
+                .n
+                > 0
+        };
+        if !emitted {
+            diesel::sql_query(PUBLISH)
+                .bind::<Array<Text>, _>(chunk)
+                .bind::<Text, _>(&until)
+                .get_result::<Checked>(conn)
+                .await?;
+        }
     }
     Ok(())
 }

@@ -219,6 +219,8 @@ fn stream_slots(slots: &[crate::store::StreamSlot]) -> String {
             "<span class=\"down\">missing</span>".to_owned()
         } else if s.is_lost() {
             "<span class=\"down\">lost</span>".to_owned()
+        } else if !s.publication_exists {
+            "<span class=\"down\">publication missing</span>".to_owned()
         } else if s.active {
             "<span class=\"up\">streaming</span>".to_owned()
         } else {
