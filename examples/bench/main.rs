@@ -26,6 +26,7 @@ mod backlog;
 mod console;
 mod fresh;
 mod stream;
+mod stream_bounds;
 mod topics;
 
 use std::collections::HashMap;

@@ -6,6 +6,7 @@
 //! - `stream_vs_decode`: the streamer (to a sink that formats each message as the log sink does
 //!   and writes it to /dev/null) against `pg_recvlogical` decoding the same WAL (pgoutput,
 //!   messages on) to /dev/null.
+//! - `publish_vs_emit_async_commit` and `stream_redelivered_after_kill`: see `stream_bounds`.
 //! - with `--kafka-brokers`: `stream_vs_table_kafka`, the same messages to Kafka from the stream
 //!   and from the table; and commit → Kafka acknowledgement latency at 500 msg/s, both ways.
 
@@ -143,7 +144,7 @@ async fn streamer(
 }
 
 /// Publishes `n` messages of ~230 bytes over 100 keys, 100 a transaction.
-fn publish_events(url: &str, n: usize) {
+pub(super) fn publish_events(url: &str, n: usize) {
     let mut conn = PgConnection::establish(url).unwrap();
     for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
         let msgs: Vec<Message> = chunk
@@ -171,7 +172,7 @@ async fn until_confirmed(url: &str, slot: &str, end: i64, t: Instant) -> f64 {
 /// Moves the bench's slot past everything written so far, its restart point too (a checkpoint
 /// logs the running transactions that lets it move): each run then decodes its own messages only,
 /// as `pg_recvlogical` does with a slot made for its run.
-fn skip_to_now(url: &str) {
+pub(super) fn skip_to_now(url: &str) {
     PgConnection::establish(url)
         .unwrap()
         .batch_execute(&format!(
@@ -324,6 +325,8 @@ pub async fn run(url: &str, kafka: Option<&str>, n: usize) {
         "stream_vs_decode={:.2}",
         median(&streamed) / median(&decoded)
     );
+    super::stream_bounds::publish_vs_emit(url);
+    super::stream_bounds::redelivered_after_kill(url, n);
     let Some(brokers) = kafka else { return };
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()

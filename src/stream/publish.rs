@@ -3,12 +3,12 @@
 //! The check that a stream will read what is emitted (`wal_level`, the slot, its publication)
 //! costs more than the emit itself when commits do not wait for the disk
 //! (`synchronous_commit = off`). Each connection therefore remembers, in the session setting
-//! `postbox.stream_checked_until`, until when its last check holds ([`CHECK_HOLDS`]): within
-//! that time a publish emits in one statement whose only extra work is reading the setting; after
-//! it, the statement finds nothing to do and `postbox.publish` checks again and sets it. A setting
-//! from a rolled-back transaction is rolled back with it. The times are the app's clock (the
-//! check is never skipped when the setting lies further ahead than [`CHECK_HOLDS`], so a clock
-//! set back, or another process's clock through a transaction pooler, costs a check, not a skip).
+//! `postbox.stream_checked_in`, the second (of the app's clock, since the epoch) in which it last
+//! checked: within that second a publish emits in one statement whose only extra work is reading
+//! the setting; in another second, the statement finds nothing to do and `postbox.publish` checks
+//! again and records the new second. A check holds for less than [`CHECK_HOLDS`], never longer: a
+//! clock set back, or another process's clock through a transaction pooler, names another second
+//! and costs a check, not a skip. A setting from a rolled-back transaction is rolled back with it.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -18,40 +18,36 @@ use super::encoding::{Encoded, VERSION};
 use crate::enqueue::ROWS_PER_STATEMENT;
 use crate::{InvalidMessage, Message, Result};
 
-/// How long a connection's check holds: a slot or publication dropped less than this before a
-/// publish may still see it accepted (as one dropped just after the commit would lose it).
+/// How long a connection's check holds, at most: a slot or publication dropped less than this
+/// before a publish may still see it accepted (as one dropped just after the commit would lose
+/// it).
 pub const CHECK_HOLDS: Duration = Duration::from_secs(1);
 
 /// The statement of one message while the check holds: no row when it does not (a one-time
 /// filter: the emit is not evaluated).
 const EMIT_ONE: &str =
     "SELECT (pg_catalog.pg_logical_emit_message(true, 'postbox', $1) IS NOT NULL)::int AS n
-    WHERE pg_catalog.current_setting('postbox.stream_checked_until', true) BETWEEN $2 AND $3";
+    WHERE pg_catalog.current_setting('postbox.stream_checked_in', true) = $2";
 
 /// The statement of a chunk while the check holds: 0 when it does not.
 const EMIT_MANY: &str =
     "SELECT count(pg_catalog.pg_logical_emit_message(true, 'postbox', c) ORDER BY i)::int AS n
     FROM unnest($1::text[]) WITH ORDINALITY AS u(c, i)
-    WHERE pg_catalog.current_setting('postbox.stream_checked_until', true) BETWEEN $2 AND $3";
+    WHERE pg_catalog.current_setting('postbox.stream_checked_in', true) = $2";
 
 /// The statement of a chunk when the check is due: `postbox.publish` checks that a stream slot
-/// will read what it emits, then emits every element in order; the setting records until when
-/// that check holds.
+/// will read what it emits, then emits every element in order; the setting records the second
+/// in which that check was made.
 const PUBLISH: &str = "SELECT postbox.publish($1) AS n,
-    pg_catalog.set_config('postbox.stream_checked_until', $2, false) AS until";
+    pg_catalog.set_config('postbox.stream_checked_in', $2, false) AS until";
 
-/// Microseconds since the epoch as fixed-width text (ordered as text as as numbers).
-fn stamp(t: SystemTime) -> String {
-    format!(
-        "{:020}",
-        t.duration_since(UNIX_EPOCH).unwrap_or_default().as_micros()
-    )
-}
-
-/// The bind values of the checks: now, and now + [`CHECK_HOLDS`].
-fn window() -> (String, String) {
-    let now = SystemTime::now();
-    (stamp(now), stamp(now + CHECK_HOLDS))
+/// The second of the app's clock a check holds in (whole seconds since the epoch).
+fn second() -> String {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs()
+        .to_string()
 }
 
 #[derive(diesel::QueryableByName)]
@@ -148,19 +144,18 @@ pub fn publish_many(conn: &mut diesel::PgConnection, msgs: &[Message]) -> Result
     use diesel::sql_types::{Array, Text};
     let contents = contents(msgs)?;
     for chunk in contents.chunks(ROWS_PER_STATEMENT) {
-        let (now, until) = window();
+        let now = second();
         let emitted = if let [one] = chunk {
-            !diesel::sql_query(EMIT_ONE)
+            // The row count: 1 when emitted.
+            diesel::sql_query(EMIT_ONE)
                 .bind::<Text, _>(one)
                 .bind::<Text, _>(&now)
-                .bind::<Text, _>(&until)
-                .load::<Published>(conn)?
-                .is_empty()
+                .execute(conn)?
+                == 1
         } else {
             diesel::sql_query(EMIT_MANY)
                 .bind::<Array<Text>, _>(chunk)
                 .bind::<Text, _>(&now)
-                .bind::<Text, _>(&until)
                 .get_result::<Published>(conn)?
                 .n
                 > 0
@@ -168,7 +163,7 @@ pub fn publish_many(conn: &mut diesel::PgConnection, msgs: &[Message]) -> Result
         if !emitted {
             diesel::sql_query(PUBLISH)
                 .bind::<Array<Text>, _>(chunk)
-                .bind::<Text, _>(&until)
+                .bind::<Text, _>(&now)
                 .get_result::<Checked>(conn)?;
         }
     }
@@ -194,20 +189,18 @@ pub async fn publish_many_async(
     use diesel_async::RunQueryDsl;
     let contents = contents(msgs)?;
     for chunk in contents.chunks(ROWS_PER_STATEMENT) {
-        let (now, until) = window();
+        let now = second();
         let emitted = if let [one] = chunk {
-            !diesel::sql_query(EMIT_ONE)
+            diesel::sql_query(EMIT_ONE)
                 .bind::<Text, _>(one)
                 .bind::<Text, _>(&now)
-                .bind::<Text, _>(&until)
-                .load::<Published>(conn)
+                .execute(conn)
                 .await?
-                .is_empty()
+                == 1
         } else {
             diesel::sql_query(EMIT_MANY)
                 .bind::<Array<Text>, _>(chunk)
                 .bind::<Text, _>(&now)
-                .bind::<Text, _>(&until)
                 .get_result::<Published>(conn)
                 .await?
                 .n
@@ -216,7 +209,7 @@ pub async fn publish_many_async(
         if !emitted {
             diesel::sql_query(PUBLISH)
                 .bind::<Array<Text>, _>(chunk)
-                .bind::<Text, _>(&until)
+                .bind::<Text, _>(&now)
                 .get_result::<Checked>(conn)
                 .await?;
         }
