@@ -218,7 +218,7 @@ pub async fn deliver(
                     tokio::pin!(delivery);
                     // A sink that takes long is said to (the stream waits on it) before the
                     // delivery timeout calls it unavailable.
-                    let slow = tokio::time::sleep(SLOW_SINK.min(timeout));
+                    let slow = tokio::time::sleep(SLOW_SINK.min(timeout / 2));
                     tokio::pin!(slow);
                     let mut said = false;
                     let result = loop {
@@ -226,7 +226,7 @@ pub async fn deliver(
                             r = &mut delivery => break r,
                             _ = &mut slow, if !said => {
                                 said = true;
-                                tracing::warn!(sink = sink.name(), messages = n, waited = ?SLOW_SINK.min(timeout), delivery_timeout = ?timeout, "stream: the sink has not taken the batch yet; the stream waits for it");
+                                tracing::warn!(sink = sink.name(), messages = n, waited = ?SLOW_SINK.min(timeout / 2), delivery_timeout = ?timeout, "stream: the sink has not taken the batch yet; the stream waits for it");
                             }
                         }
                     };

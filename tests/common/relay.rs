@@ -22,9 +22,18 @@ pub fn kill_while_writing(
     }
 }
 
+/// What the test does with a relay's standard output (its log sink's lines).
+enum Stdout {
+    Read,
+    Unread,
+    Closed,
+}
+
 /// A relay process (`postbox run`) whose log sink's lines are collected.
 pub struct Relay {
     child: Child,
+    /// Standard output held open and never read (a sink that hangs), when asked for.
+    _unread: Option<std::process::ChildStdout>,
     lines: Arc<Mutex<Vec<serde_json::Value>>>,
     pub metrics_port: u16,
     stderr: std::path::PathBuf,
@@ -33,6 +42,21 @@ pub struct Relay {
 impl Relay {
     /// Starts `postbox run` on `url` with `[stream]` and `extra` TOML appended.
     pub fn start(url: &str, extra: &str) -> Relay {
+        Self::spawn(url, extra, Stdout::Read)
+    }
+
+    /// [`Relay::start`] with standard output never read: the log sink hangs once the pipe is
+    /// full.
+    pub fn start_unread(url: &str, extra: &str) -> Relay {
+        Self::spawn(url, extra, Stdout::Unread)
+    }
+
+    /// [`Relay::start`] with standard output closed: the log sink's writes fail (EPIPE).
+    pub fn start_closed(url: &str, extra: &str) -> Relay {
+        Self::spawn(url, extra, Stdout::Closed)
+    }
+
+    fn spawn(url: &str, extra: &str, stdout: Stdout) -> Relay {
         let dir = std::env::temp_dir().join(format!("postbox-stream-{}", free_port()));
         std::fs::create_dir_all(&dir).unwrap();
         let metrics_port = free_port();
@@ -54,15 +78,23 @@ impl Relay {
             .unwrap();
         let lines: Arc<Mutex<Vec<serde_json::Value>>> = Arc::default();
         let (out, l) = (child.stdout.take().unwrap(), lines.clone());
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if let Ok(v) = serde_json::from_str(&line) {
-                    l.lock().unwrap().push(v);
-                }
+        let mut unread = None;
+        match stdout {
+            Stdout::Read => {
+                std::thread::spawn(move || {
+                    for line in BufReader::new(out).lines().map_while(Result::ok) {
+                        if let Ok(v) = serde_json::from_str(&line) {
+                            l.lock().unwrap().push(v);
+                        }
+                    }
+                });
             }
-        });
+            Stdout::Unread => unread = Some(out),
+            Stdout::Closed => drop(out),
+        }
         Relay {
             child,
+            _unread: unread,
             lines,
             metrics_port,
             stderr,
@@ -97,6 +129,14 @@ impl Relay {
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// Sends SIGTERM; whether the process exited within `deadline`.
+    pub fn terminate_within(&mut self, deadline: Duration) -> bool {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        wait(deadline, || matches!(self.child.try_wait(), Ok(Some(_))))
     }
 
     pub fn terminate(&mut self) {
