@@ -8,9 +8,9 @@ use pgwire_replication::{ReplicationConfig, SslMode, TlsConfig};
 use crate::store::connect::{TlsMode, tls_mode};
 
 /// How soon a delivered batch's position reaches the server, at most: a status update goes out
-/// at most this often while the stream moves, so a relay killed loses at most this much of
-/// confirmed work (it is streamed again) beyond the batches it was delivering.
-pub const CONFIRM_EVERY: Duration = Duration::from_millis(100);
+/// at most this often while the stream moves (a hundred a second), so what a killed relay had
+/// delivered and is streamed again is the batches in flight and this much more.
+pub const CONFIRM_EVERY: Duration = Duration::from_millis(10);
 
 /// A replication session of `slot` and `publication` on the database `url` names.
 pub fn replication_config(
