@@ -262,6 +262,13 @@ async fn a_missing_publication_is_named_publish_refuses_and_a_new_slot_streams_a
     assert!(wait(Duration::from_secs(10), || relay
         .metric("postbox_stream_stalled_seconds")
         == Some(0.0)));
+    assert!(
+        wait(Duration::from_secs(10), || relay
+            .log()
+            .contains("stream: streaming again")),
+        "the recovery is said:\n{}",
+        relay.log()
+    );
 }
 
 /// The check `publish` makes (wal_level, slot, publication) holds on its connection for the

@@ -427,10 +427,19 @@ impl Streamer {
             if broken.since.is_none() {
                 tracing::info!(slot = %self.config.slot, "stream: streaming");
             }
+            // Said once the session goes somewhere, after the errors were.
+            let recovering = broken.since;
             self.observe(|o| o.stream_active(true));
             let (progress, started_at) = (report.progress, std::time::Instant::now());
             let ended = self
-                .session(&mut client, &session, &stop, &hard_stop, &mut report)
+                .session(
+                    &mut client,
+                    &session,
+                    &stop,
+                    &hard_stop,
+                    &mut report,
+                    recovering,
+                )
                 .await;
             self.observe(|o| o.stream_active(false));
             match ended {
@@ -510,6 +519,7 @@ impl Streamer {
         stop: &CancellationToken,
         hard_stop: &CancellationToken,
         report: &mut StreamReport,
+        recovering: Option<std::time::Instant>,
     ) -> Ended {
         // Cancelled when the replication session ends: a batch still being delivered then stops
         // (another relay may stream the slot by now).
@@ -517,7 +527,16 @@ impl Streamer {
         // One batch is delivered while the next is read; its commit to confirm once it is done.
         let mut in_flight: Option<InFlight> = None;
         let ended = self
-            .read(client, name, stop, hard_stop, report, &lost, &mut in_flight)
+            .read(
+                client,
+                name,
+                stop,
+                hard_stop,
+                report,
+                &lost,
+                &mut in_flight,
+                recovering,
+            )
             .await;
         lost.cancel();
         // A batch still being delivered is stopped before this relay streams again (or another
@@ -561,6 +580,7 @@ impl Streamer {
         report: &mut StreamReport,
         lost: &CancellationToken,
         in_flight: &mut Option<InFlight>,
+        recovering: Option<std::time::Instant>,
     ) -> Ended {
         const LINGER: Duration = Duration::from_millis(2);
         // Once this session goes somewhere, the relay streams again (see `broken`).
@@ -577,6 +597,9 @@ impl Streamer {
             if !healthy && (report.progress > progress || started.elapsed() >= HEALTHY_SESSION) {
                 healthy = true;
                 self.observe(|o| o.stream_broken(None));
+                if let Some(since) = recovering {
+                    tracing::info!(slot = %self.config.slot, failed_for = ?since.elapsed(), "stream: streaming again");
+                }
             }
             let event = tokio::select! {
                 // Stop first: a busy stream always has an event ready.
