@@ -28,6 +28,7 @@ mod fresh;
 mod stream;
 mod stream_bounds;
 mod topics;
+mod write;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -100,7 +101,7 @@ fn args() -> Args {
                     .expect("--status-rows N")
             }
             other => panic!(
-                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|fresh|ordered-drain|topics|stream|console] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|fresh|ordered-drain|topics|stream|console|write] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
             ),
         }
     }
@@ -943,6 +944,10 @@ async fn main() {
     }
     if a.only.as_deref() == Some("console") {
         console::run(&a.url, a.status_rows).await;
+        return;
+    }
+    if a.only.as_deref() == Some("write") {
+        write::run(&a.url).await;
         return;
     }
     if a.only.as_deref() == Some("fresh") {
