@@ -8,6 +8,8 @@
 //!   sinks stored.
 
 #[cfg(feature = "stream")]
+mod config;
+#[cfg(feature = "stream")]
 mod connect;
 #[cfg(feature = "stream")]
 mod deliver;
@@ -15,7 +17,11 @@ pub mod encoding;
 mod publish;
 #[cfg(feature = "stream")]
 mod relay;
+#[cfg(feature = "stream")]
+mod session;
 
+#[cfg(feature = "stream")]
+pub use config::{StreamConfig, StreamError, StreamObserver, StreamReport};
 #[cfg(feature = "stream")]
 pub use connect::CONFIRM_EVERY;
 #[cfg(feature = "stream")]
@@ -24,4 +30,4 @@ pub use publish::{CHECK_HOLDS, encode, publish, publish_many};
 #[cfg(feature = "async")]
 pub use publish::{publish_async, publish_many_async};
 #[cfg(feature = "stream")]
-pub use relay::{StreamConfig, StreamError, StreamObserver, StreamReport, Streamer, stream_id};
+pub use relay::{Streamer, stream_id};
