@@ -143,7 +143,31 @@ pub async fn deliver(
                 .await?;
                 done.dead_lettered += 1;
             }
-            Ok(m) if item.refused.is_some() => {
+            Ok(m) => {
+                // Refused as written (not transactional), or no route serves its topic.
+                let reason = match (
+                    item.refused,
+                    routes.iter().position(|t| t.matches(&m.topic)),
+                ) {
+                    (None, Some(sink)) => {
+                        pending.push(Slot {
+                            item: i,
+                            sink,
+                            message: claimed(item.id, m, item.committed_at),
+                            retries: 0,
+                        });
+                        continue;
+                    }
+                    (Some(refused), _) => refused.to_owned(),
+                    (None, None) => format!(
+                        "stream: no route serves topic {:?}",
+                        if m.topic.len() > 255 {
+                            crate::store::storable::ascii(&m.topic, 255)
+                        } else {
+                            m.topic.clone()
+                        }
+                    ),
+                };
                 dead_letter(
                     route,
                     &item.id,
@@ -152,42 +176,12 @@ pub async fn deliver(
                     &m.payload,
                     &m.headers,
                     m.created_at.unwrap_or(item.committed_at),
-                    item.refused.unwrap_or_default(),
+                    &reason,
                     stop,
                 )
                 .await?;
                 done.dead_lettered += 1;
             }
-            Ok(m) => match routes.iter().position(|t| t.matches(&m.topic)) {
-                Some(sink) => pending.push(Slot {
-                    item: i,
-                    sink,
-                    message: claimed(item.id, m, item.committed_at),
-                    retries: 0,
-                }),
-                None => {
-                    dead_letter(
-                        route,
-                        &item.id,
-                        &m.topic,
-                        m.key.as_deref(),
-                        &m.payload,
-                        &m.headers,
-                        m.created_at.unwrap_or(item.committed_at),
-                        &format!(
-                            "stream: no route serves topic {:?}",
-                            if m.topic.len() > 255 {
-                                crate::store::storable::ascii(&m.topic, 255)
-                            } else {
-                                m.topic.clone()
-                            }
-                        ),
-                        stop,
-                    )
-                    .await?;
-                    done.dead_lettered += 1;
-                }
-            },
         }
     }
     let mut pause = Duration::from_millis(100);
