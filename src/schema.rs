@@ -5,6 +5,10 @@ pub mod postbox {
         #[derive(diesel::sql_types::SqlType)]
         #[diesel(postgres_type(name = "message_state", schema = "postbox"))]
         pub struct MessageState;
+
+        #[derive(diesel::sql_types::SqlType)]
+        #[diesel(postgres_type(name = "xid8", schema = "pg_catalog"))]
+        pub struct Xid8;
     }
 
     diesel::table! {
@@ -31,6 +35,7 @@ pub mod postbox {
     diesel::table! {
         use diesel::sql_types::*;
         use super::sql_types::MessageState;
+        use super::sql_types::Xid8;
 
         postbox.messages (id) {
             id -> Int8,
@@ -52,6 +57,7 @@ pub mod postbox {
             dedup_key -> Nullable<Text>,
             state -> MessageState,
             cancelled -> Bool,
+            ready_xid -> Xid8,
         }
     }
 

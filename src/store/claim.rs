@@ -216,6 +216,22 @@ pub struct ClaimedMessage {
     pub stream_id: Option<String>,
 }
 
+/// A row of the claim of every topic, and the floors its session keeps after it (the same on
+/// every row), for the store's other connections.
+struct ClaimedReady {
+    message: ClaimedMessage,
+    floors: Option<String>,
+}
+
+impl QueryableByName<Pg> for ClaimedReady {
+    fn build<'a>(row: &impl diesel::row::NamedRow<'a, Pg>) -> diesel::deserialize::Result<Self> {
+        Ok(ClaimedReady {
+            message: ClaimedMessage::build(row)?,
+            floors: diesel::row::NamedRow::get::<Nullable<Text>, Option<String>>(row, "floors")?,
+        })
+    }
+}
+
 /// The row as read, every field that can fail to decode read leniently.
 #[derive(QueryableByName)]
 struct RawClaimed {
@@ -331,6 +347,15 @@ SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, ma
 FROM postbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9)
 "#;
 
+/// The claim of every topic, from the newest floors the store has seen when its connection has
+/// none or older ones; each row carries the floors the session keeps after it.
+const CLAIM_READY: &str = r#"
+SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
+       created_at, locked_until, lease_token, last_error, dedup_key,
+       current_setting('postbox.claim_floors', true) AS floors
+FROM postbox.claim_ready($1, $2, $3, $4, $5)
+"#;
+
 /// A claim from one topic named exactly: `postbox.claim_topic` without the filter's resolution.
 const CLAIM_ONE: &str = r#"
 SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
@@ -369,6 +394,25 @@ impl Store {
                 .bind::<Text, _>(&*self.owner)
                 .load(&mut conn)
                 .await?;
+            rows.sort_unstable_by_key(|m| (m.priority, m.id));
+            return Ok(rows);
+        }
+        if topics.all && topics.not_exact.is_empty() && topics.not_like.is_empty() {
+            let floors = self.floors.lock().map(|f| f.clone()).unwrap_or_default();
+            let got: Vec<ClaimedReady> = diesel::sql_query(CLAIM_READY)
+                .bind::<Integer, _>(batch)
+                .bind::<Double, _>(lease.as_secs_f64())
+                .bind::<BigInt, _>(token)
+                .bind::<Text, _>(&*self.owner)
+                .bind::<Nullable<Text>, _>(floors)
+                .load(&mut conn)
+                .await?;
+            if let Some(newest) = got.iter().find_map(|r| r.floors.clone())
+                && let Ok(mut f) = self.floors.lock()
+            {
+                *f = Some(newest);
+            }
+            let mut rows: Vec<ClaimedMessage> = got.into_iter().map(|r| r.message).collect();
             rows.sort_unstable_by_key(|m| (m.priority, m.id));
             return Ok(rows);
         }

@@ -189,6 +189,9 @@ const FUNCTION_SOURCE: &str = "SELECT prosrc AS body FROM pg_proc WHERE oid = $1
 const PICK: &str =
     "postbox.pick(integer, boolean, text[], text[], text[], text[], smallint, bigint)";
 const CLAIM_TOPIC: &str = "postbox.claim_topic(text, integer, double precision, bigint, text)";
+const CLAIM_READY: &str = "postbox.claim_ready(integer, double precision, bigint, text, text)";
+const MOST_URGENT: &str =
+    "SELECT min(priority)::integer AS priority FROM postbox.messages WHERE state = 'available'";
 const NARROW: &str = "SELECT postbox.narrow_topics($1, $2, $3, $4, $5, 16) AS topics";
 
 /// The statement of `body` after the line `-- explain: NAME` (or after `RETURN QUERY` when
@@ -244,6 +247,12 @@ struct Body {
 struct Narrow {
     #[diesel(sql_type = Nullable<Array<Text>>)]
     topics: Option<Vec<String>>,
+}
+
+#[derive(QueryableByName)]
+struct Urgent {
+    #[diesel(sql_type = Nullable<Integer>)]
+    priority: Option<i32>,
 }
 
 #[derive(QueryableByName)]
@@ -308,6 +317,36 @@ impl Store {
             .await?;
             return Ok(plan);
         }
+        let plain = topics.all && topics.not_exact.is_empty() && topics.not_like.is_empty();
+        if plain {
+            // The claim of every topic: its scan of the most urgent priority present, from the
+            // front of its order, as a session's first claim walks it (later claims start from
+            // the floors the session kept: see the migration `ready_positions`).
+            let body = source(&mut conn, CLAIM_READY).await?;
+            let sql = marked_statement(
+                &body,
+                "every topic",
+                &["v_priority", "v_from", "v_batch - v_got"],
+            )
+            .ok_or_else(|| missing("every topic"))?
+            .replace("$2", "$2::xid8");
+            rolled_back(&mut conn, async |conn| {
+                conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off")
+                    .await?;
+                let first: Urgent = diesel::sql_query(MOST_URGENT).get_result(conn).await?;
+                let lines: Vec<PlanLine> = diesel::sql_query(format!("EXPLAIN (ANALYZE, BUFFERS) {sql}"))
+                    .bind::<Integer, _>(first.priority.unwrap_or(0))
+                    .bind::<Text, _>("0")
+                    .bind::<Integer, _>(batch)
+                    .load(conn)
+                    .await?;
+                plan.push_str("-- every topic\n");
+                plan.extend(lines.into_iter().map(|l| l.line + "\n"));
+                Ok(())
+            })
+            .await?;
+            return Ok(plan);
+        }
         let body = source(&mut conn, PICK).await?;
         let narrow: Narrow = diesel::sql_query(NARROW)
             .bind::<Bool, _>(topics.all)
@@ -317,11 +356,9 @@ impl Store {
             .bind::<Array<Text>, _>(&topics.not_like)
             .get_result(&mut conn)
             .await?;
-        let plain = topics.all && topics.not_exact.is_empty() && topics.not_like.is_empty();
-        let names: &[&str] = match (&narrow.topics, plain) {
-            (_, true) => &["every topic"],
-            (Some(_), false) => &["a few topics"],
-            (None, false) => &["window", "the window's rows"],
+        let names: &[&str] = match &narrow.topics {
+            Some(_) => &["a few topics"],
+            None => &["window", "the window's rows"],
         };
         let window = batch + (batch / 4).max(16);
         let none: Vec<String> = Vec::new();

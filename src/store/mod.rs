@@ -223,6 +223,9 @@ mod pool {
         pub(crate) archive: Option<Arc<str>>,
         /// Heads this store kept for their writers (see the migration `head_pins`).
         pub(crate) kept: Arc<super::kept::KeptHeads>,
+        /// The newest floors of the claim of every topic, for a connection that has none or
+        /// older ones (see the migration `ready_positions`).
+        pub(crate) floors: Arc<std::sync::Mutex<Option<String>>>,
     }
 
     impl std::fmt::Debug for Store {
@@ -245,6 +248,7 @@ mod pool {
                 owner: format!("{host}:{}", std::process::id()).into(),
                 archive: None,
                 kept: super::kept::new_kept(),
+                floors: Arc::default(),
             }
         }
 

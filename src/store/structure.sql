@@ -138,6 +138,7 @@ CREATE TABLE postbox.messages (
     dedup_key text,
     state postbox.message_state DEFAULT 'available'::postbox.message_state NOT NULL,
     cancelled boolean DEFAULT false NOT NULL,
+    ready_xid xid8 DEFAULT pg_current_xact_id() NOT NULL,
     CONSTRAINT messages_attempts_not_negative CHECK ((attempts >= 0)),
     CONSTRAINT messages_headers_strings CHECK (((jsonb_typeof(headers) = 'object'::text) AND (NOT jsonb_path_exists(headers, '$.*?(@.type() != "string")'::jsonpath)))),
     CONSTRAINT messages_lease_complete CHECK (((locked_until IS NULL) = (lease_token IS NULL))),
@@ -156,6 +157,12 @@ WITH (autovacuum_vacuum_scale_factor='0.01', autovacuum_vacuum_threshold='1000',
 COMMENT ON TABLE postbox.messages IS 'postbox outbox: pending (locked_until IS NULL) and running (leased) messages';
 
 --
+-- Name: COLUMN messages.ready_xid; Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON COLUMN postbox.messages.ready_xid IS 'The transaction that made the message available (insert, promotion, retry, rescue, release): the claim of every topic walks (priority, ready_xid, id) from floors kept per session';
+
+--
 -- Name: claim(integer, double precision, boolean, text[], text[], text[], text[], bigint, text); Type: FUNCTION; Schema: postbox; Owner: -
 --
 
@@ -166,6 +173,10 @@ CREATE FUNCTION postbox.claim(p_batch integer, p_lease_secs double precision, p_
     SET jit TO 'off'
     AS $$
 BEGIN
+    IF p_all_topics AND cardinality(p_not_topics) = 0 AND cardinality(p_not_patterns) = 0 THEN
+        RETURN QUERY SELECT * FROM postbox.claim_ready(p_batch, p_lease_secs, p_token, p_owner);
+        RETURN;
+    END IF;
     RETURN QUERY
     UPDATE postbox.messages m
     SET state = 'running',
@@ -368,6 +379,143 @@ BEGIN
     END LOOP;
 END
 $$;
+
+--
+-- Name: claim_ready(integer, double precision, bigint, text, text); Type: FUNCTION; Schema: postbox; Owner: -
+--
+
+CREATE FUNCTION postbox.claim_ready(p_batch integer, p_lease_secs double precision, p_token bigint, p_owner text, p_floors text DEFAULT NULL::text) RETURNS SETOF postbox.messages
+    LANGUAGE plpgsql
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
+    SET enable_sort TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
+    SET jit TO 'off'
+    AS $$
+DECLARE
+    v_batch integer := least(p_batch, 1000000);
+    v_state text := current_setting('postbox.claim_floors', true);
+    v_snap pg_snapshot := pg_current_snapshot();
+    v_running xid8[] := ARRAY(SELECT pg_snapshot_xip(v_snap));
+    -- Above this, rows of any priority; below, only rows of the pending transactions.
+    v_above xid8 := '0';
+    v_pending xid8[] := '{}';
+    v_priorities integer[] := '{}';
+    v_floors xid8[] := '{}';
+    -- The least id among the pending transactions that ended since: their rows may be below.
+    v_ended xid8;
+    v_from xid8;
+    v_lo integer;
+    v_hi integer;
+    v_found integer;
+    v_pair text;
+    v_ids bigint[] := '{}';
+    v_more bigint[];
+    v_got integer := 0;
+    v_n integer;
+    v_priority integer;
+    v_order integer[];
+    v_known integer[];
+    v_next xid8;
+    v_out text[] := '{}';
+    i integer;
+BEGIN
+    IF v_batch <= 0 THEN
+        RETURN;
+    END IF;
+    -- Floors from another session of the same process are as good, and newer ones walk less.
+    IF coalesce(p_floors, '') <> '' AND (coalesce(v_state, '') = ''
+            OR split_part(p_floors, ';', 1)::xid8 > split_part(v_state, ';', 1)::xid8) THEN
+        v_state := p_floors;
+    END IF;
+    IF coalesce(v_state, '') <> '' THEN
+        v_above := split_part(v_state, ';', 1)::xid8;
+        v_pending := string_to_array(split_part(v_state, ';', 2), ',')::xid8[];
+        FOREACH v_pair IN ARRAY string_to_array(split_part(v_state, ';', 3), ',') LOOP
+            v_priorities := v_priorities || split_part(v_pair, ':', 1)::integer;
+            v_floors := v_floors || split_part(v_pair, ':', 2)::xid8;
+        END LOOP;
+    END IF;
+    v_ended := (SELECT min(x) FROM unnest(v_pending) AS u(x) WHERE NOT x = ANY(v_running));
+    -- Priorities not known yet: between the known ones, what is above v_above (or from a pending
+    -- transaction that ended). One descent per gap when there is none.
+    v_from := least(v_above, v_ended);
+    v_lo := -2147483648;
+    v_known := ARRAY(SELECT p FROM unnest(v_priorities) AS u(p) ORDER BY p) || 2147483647;
+    FOREACH v_hi IN ARRAY v_known LOOP
+        LOOP
+            -- explain: a priority not known yet
+            SELECT m.priority::integer
+            INTO v_found
+            FROM postbox.messages m
+                WHERE m.state = 'available' AND m.priority::integer > v_lo AND m.priority::integer < v_hi
+                  AND m.ready_xid >= v_from
+                ORDER BY m.priority::integer LIMIT 1;
+            EXIT WHEN NOT FOUND;
+            v_priorities := v_priorities || v_found;
+            v_floors := v_floors || v_from;
+            v_lo := v_found;
+        END LOOP;
+        v_lo := v_hi;
+    END LOOP;
+    -- Each priority, most urgent first, from its floor (or from a pending transaction that ended).
+    v_order := ARRAY(SELECT o FROM generate_subscripts(v_priorities, 1) AS g(o) ORDER BY v_priorities[o]);
+    FOREACH i IN ARRAY v_order LOOP
+        EXIT WHEN v_got >= v_batch;
+        v_priority := v_priorities[i];
+        v_from := least(v_floors[i], v_ended);
+        -- explain: every topic
+        SELECT array_agg(c.id), count(*)
+        INTO v_more, v_n
+        FROM (SELECT m.id FROM postbox.messages m
+              WHERE m.state = 'available' AND m.priority::integer = v_priority AND m.ready_xid >= v_from
+              ORDER BY m.priority::integer, m.ready_xid, m.id
+              LIMIT v_batch - v_got
+              FOR NO KEY UPDATE SKIP LOCKED) c;
+        IF v_n > 0 THEN
+            v_ids := v_ids || v_more;
+            v_got := v_got + v_n;
+        END IF;
+    END LOOP;
+    IF v_got > 0 THEN
+        RETURN QUERY
+        UPDATE postbox.messages m
+        SET state = 'running',
+            attempts = m.attempts + 1,
+            locked_until = now() + make_interval(secs => p_lease_secs),
+            lease_token = p_token,
+            locked_by = p_owner
+        WHERE m.id = ANY(v_ids)
+        RETURNING m.*;
+    END IF;
+    -- The new floors: the first row still available of each priority (as of now, which sees
+    -- at least what v_snap saw), else the snapshot's end; what was running at v_snap is pending.
+    FOREACH i IN ARRAY v_order LOOP
+        v_priority := v_priorities[i];
+        v_from := least(v_floors[i], v_ended);
+        -- explain: a floor
+        SELECT m.ready_xid
+        INTO v_next
+        FROM postbox.messages m
+            WHERE m.state = 'available' AND m.priority::integer = v_priority AND m.ready_xid >= v_from
+            ORDER BY m.priority::integer, m.ready_xid LIMIT 1;
+        IF NOT FOUND OR v_next > pg_snapshot_xmax(v_snap) THEN
+            v_next := pg_snapshot_xmax(v_snap);
+        END IF;
+        v_out := v_out || (v_priorities[i]::text || ':' || v_next::text);
+    END LOOP;
+    PERFORM set_config('postbox.claim_floors',
+                       pg_snapshot_xmax(v_snap)::text || ';' || array_to_string(v_running, ',') || ';'
+                       || array_to_string(v_out, ','),
+                       false);
+END
+$$;
+
+--
+-- Name: FUNCTION claim_ready(p_batch integer, p_lease_secs double precision, p_token bigint, p_owner text, p_floors text); Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON FUNCTION postbox.claim_ready(p_batch integer, p_lease_secs double precision, p_token bigint, p_owner text, p_floors text) IS 'The claim of every topic (no exclusions), walking the claim order from the floors this session kept: see the migration ready_positions';
 
 --
 -- Name: claim_topic(text, integer, double precision, bigint, text); Type: FUNCTION; Schema: postbox; Owner: -
@@ -800,6 +948,19 @@ BEGIN
         PERFORM pg_notify('postbox', '');
     END IF;
     RETURN NULL;
+END
+$$;
+
+--
+-- Name: messages_ready(); Type: FUNCTION; Schema: postbox; Owner: -
+--
+
+CREATE FUNCTION postbox.messages_ready() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    NEW.ready_xid := pg_current_xact_id();
+    RETURN NEW;
 END
 $$;
 
@@ -1759,6 +1920,12 @@ CREATE UNIQUE INDEX messages_dedup_idx ON postbox.messages USING btree (topic, d
 CREATE INDEX messages_heads_idx ON postbox.messages USING btree (topic, key, id) WHERE (ordered AND (state <> 'waiting'::postbox.message_state));
 
 --
+-- Name: messages_ready_idx; Type: INDEX; Schema: postbox; Owner: -
+--
+
+CREATE INDEX messages_ready_idx ON postbox.messages USING btree (((priority)::integer), ready_xid, id) WHERE (state = 'available'::postbox.message_state);
+
+--
 -- Name: messages_running_idx; Type: INDEX; Schema: postbox; Owner: -
 --
 
@@ -1811,6 +1978,12 @@ CREATE TRIGGER messages_head_removed AFTER DELETE ON postbox.messages FOR EACH R
 --
 
 CREATE TRIGGER messages_heads_promoted AFTER DELETE ON postbox.messages FOR EACH STATEMENT WHEN ((current_setting('postbox.promotes_heads'::text, true) IS DISTINCT FROM 'caller'::text)) EXECUTE FUNCTION postbox.promote_removed_heads();
+
+--
+-- Name: messages messages_ready; Type: TRIGGER; Schema: postbox; Owner: -
+--
+
+CREATE TRIGGER messages_ready BEFORE UPDATE ON postbox.messages FOR EACH ROW WHEN ((new.state = 'available'::postbox.message_state)) EXECUTE FUNCTION postbox.messages_ready();
 
 --
 -- Name: messages messages_state; Type: TRIGGER; Schema: postbox; Owner: -

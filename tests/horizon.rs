@@ -1,0 +1,217 @@
+//! Claims where a pinned xmin horizon keeps every claimed row's index entry (a long `pg_dump`, a
+//! session left idle in transaction, a standby with `hot_standby_feedback`): the claim of every
+//! topic starts from the floors its session kept (migration `ready_positions`), so it reads what
+//! it returns however many entries the pin keeps; and the floors never hide a message, whatever
+//! commits, rolls back or comes back below them. Each interleaving is driven by a second
+//! connection held at the point that matters.
+
+mod common;
+
+use common::TestDb;
+use diesel::connection::SimpleConnection;
+use diesel::{PgConnection, QueryableByName, RunQueryDsl};
+
+fn claim(n: usize) -> String {
+    format!("SELECT * FROM postbox.claim({n}, 30, true, '{{}}', '{{}}', '{{}}', '{{}}', 1, 'x')")
+}
+
+#[derive(QueryableByName)]
+struct Id {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    id: i64,
+}
+
+/// The ids `conn`'s claim of `n` returns, in order.
+fn claimed(conn: &mut PgConnection, n: usize) -> Vec<i64> {
+    let mut ids: Vec<i64> = diesel::sql_query(claim(n))
+        .load::<Id>(conn)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    ids.sort_unstable();
+    ids
+}
+
+fn ids(db: &TestDb, sql: &str) -> Vec<i64> {
+    let mut ids: Vec<i64> = diesel::sql_query(sql)
+        .load::<Id>(&mut db.conn())
+        .unwrap()
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    ids.sort_unstable();
+    ids
+}
+
+/// Index entries of `postbox.messages` that `sql` reads on `conn` (in a transaction rolled back).
+fn entries_read(conn: &mut PgConnection, sql: &str) -> i64 {
+    #[derive(QueryableByName)]
+    struct V {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        v: i64,
+    }
+    let read = |conn: &mut PgConnection| {
+        conn.batch_execute("SELECT pg_stat_force_next_flush(); SELECT pg_stat_clear_snapshot()")
+            .unwrap();
+        diesel::sql_query(
+            "SELECT coalesce(sum(idx_tup_read), 0)::bigint AS v FROM pg_stat_user_indexes
+             WHERE schemaname = 'postbox' AND relname = 'messages'",
+        )
+        .get_result::<V>(conn)
+        .unwrap()
+        .v
+    };
+    let before = read(conn);
+    conn.batch_execute(&format!("BEGIN; {sql}; ROLLBACK"))
+        .unwrap();
+    read(conn) - before
+}
+
+/// 20,000 messages claimed and deleted while a snapshot (and, in the second case, a transaction
+/// with an id of its own, which stays in every later snapshot's running list) pins the horizon:
+/// the relay's session then claims 100 reading a few hundred index entries; a new session, which
+/// has no floors yet, walks the 20,000 entries the pin keeps (what every claim did before).
+#[test]
+fn a_claim_under_a_pinned_horizon_reads_what_it_returns() {
+    for pin_sql in [
+        "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM postbox.turns",
+        "BEGIN; SELECT pg_current_xact_id()",
+    ] {
+        let db = TestDb::migrated();
+        db.exec("ALTER TABLE postbox.messages SET (autovacuum_enabled = false)");
+        let mut pin = db.conn();
+        pin.batch_execute(pin_sql).unwrap();
+        let mut relay = db.conn();
+        for _ in 0..40 {
+            db.exec("INSERT INTO postbox.messages (topic) SELECT 't.' || (g % 7) FROM generate_series(1, 500) g");
+            assert_eq!(claimed(&mut relay, 500).len(), 500);
+            relay
+                .batch_execute("DELETE FROM postbox.messages WHERE state = 'running'")
+                .unwrap();
+        }
+        db.exec("VACUUM postbox.messages");
+        db.exec("INSERT INTO postbox.messages (topic) SELECT 't.' || (g % 7) FROM generate_series(1, 100) g");
+        let warm = entries_read(&mut relay, &claim(100));
+        let cold = entries_read(&mut db.conn(), &claim(100));
+        // Another connection of the relay's process: given the floors its store saw last.
+        #[derive(QueryableByName)]
+        struct Floors {
+            #[diesel(sql_type = diesel::sql_types::Text)]
+            floors: String,
+        }
+        let floors = diesel::sql_query("SELECT current_setting('postbox.claim_floors') AS floors")
+            .get_result::<Floors>(&mut relay)
+            .unwrap()
+            .floors;
+        let shared = entries_read(
+            &mut db.conn(),
+            &format!("SELECT * FROM postbox.claim_ready(100, 30, 1, 'x', '{floors}')"),
+        );
+        eprintln!(
+            "{pin_sql}: index entries read by a claim of 100: {warm} (relay's session), {shared} (a new one given its floors), {cold} (a new one without)"
+        );
+        assert!(shared <= 500, "{pin_sql}: with the floors given, {shared}");
+        assert!(
+            warm <= 500,
+            "{pin_sql}: the relay's claim read {warm} index entries"
+        );
+        assert!(
+            cold >= 20_000,
+            "{pin_sql}: a session without floors read {cold}: the pin did not keep the entries?"
+        );
+        assert_eq!(claimed(&mut relay, 1000).len(), 100, "{pin_sql}");
+        pin.batch_execute("ROLLBACK").unwrap();
+    }
+}
+
+/// The floors never hide a message: a writer's transaction open across claims, another
+/// session's claim that rolls back after this one skipped its rows, a running message an
+/// operator puts back by hand, a more urgent priority that appears later, and a priority not
+/// seen before committed by a transaction that was open across claims: each is claimed by the
+/// session's next claim.
+#[test]
+fn the_floors_never_hide_a_message() {
+    let db = TestDb::migrated();
+    let mut relay = db.conn();
+    let new_ids = |db: &TestDb| {
+        ids(
+            db,
+            "SELECT id FROM postbox.messages WHERE state = 'available'",
+        )
+    };
+
+    // A writer's transaction that began before the claims and commits after them.
+    let mut writer = db.conn();
+    writer
+        .batch_execute("BEGIN; INSERT INTO postbox.messages (topic) VALUES ('late'), ('late')")
+        .unwrap();
+    db.exec("INSERT INTO postbox.messages (topic) VALUES ('early')");
+    let want = new_ids(&db);
+    assert_eq!(claimed(&mut relay, 10), want);
+    db.exec("INSERT INTO postbox.messages (topic) VALUES ('after')");
+    let want = new_ids(&db);
+    assert_eq!(claimed(&mut relay, 10), want);
+    writer.batch_execute("COMMIT").unwrap();
+    let late = new_ids(&db);
+    assert_eq!(late.len(), 2);
+    assert_eq!(claimed(&mut relay, 10), late, "the late commit's messages");
+
+    // Another session's claim holds two rows while this one claims past them, then rolls back.
+    db.exec("INSERT INTO postbox.messages (topic) SELECT 'b' FROM generate_series(1, 3)");
+    let mut other = db.conn();
+    other
+        .batch_execute(&format!("BEGIN; {}", claim(2)))
+        .unwrap();
+    assert_eq!(claimed(&mut relay, 10).len(), 1);
+    db.exec("INSERT INTO postbox.messages (topic) VALUES ('newer')");
+    assert_eq!(claimed(&mut relay, 10).len(), 1, "the newer one");
+    other.batch_execute("ROLLBACK").unwrap();
+    let released = new_ids(&db);
+    assert_eq!(released.len(), 2);
+    assert_eq!(
+        claimed(&mut relay, 10),
+        released,
+        "the rows of the claim rolled back"
+    );
+
+    // A running message put back by hand, as an operator's SQL would.
+    let back = ids(
+        &db,
+        "SELECT min(id) AS id FROM postbox.messages WHERE state = 'running'",
+    );
+    db.exec(&format!(
+        "UPDATE postbox.messages SET state = 'available', locked_until = NULL, lease_token = NULL, locked_by = NULL
+         WHERE id = {}",
+        back[0]
+    ));
+    assert_eq!(claimed(&mut relay, 10), back, "the message put back");
+
+    // A more urgent priority, and one less urgent, after the floors were set.
+    db.exec("INSERT INTO postbox.messages (topic, priority) VALUES ('low', 9), ('plain', 0), ('urgent', -9)");
+    for topic in ["urgent", "plain", "low"] {
+        let want = ids(
+            &db,
+            &format!("SELECT id FROM postbox.messages WHERE topic = '{topic}'"),
+        );
+        assert_eq!(claimed(&mut relay, 1), want, "{topic}");
+    }
+
+    // A priority never seen, from a transaction open across claims.
+    writer
+        .batch_execute("BEGIN; INSERT INTO postbox.messages (topic, priority) VALUES ('odd', 4)")
+        .unwrap();
+    db.exec("INSERT INTO postbox.messages (topic) VALUES ('x')");
+    assert_eq!(claimed(&mut relay, 10).len(), 1);
+    assert_eq!(claimed(&mut relay, 10).len(), 0);
+    writer.batch_execute("COMMIT").unwrap();
+    assert_eq!(
+        claimed(&mut relay, 10),
+        ids(&db, "SELECT id FROM postbox.messages WHERE topic = 'odd'"),
+        "the unseen priority's message"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE state = 'available'"),
+        0
+    );
+}
