@@ -15,6 +15,11 @@ fn claim(n: usize) -> String {
     format!("SELECT * FROM postbox.claim({n}, 30, true, '{{}}', '{{}}', '{{}}', '{{}}', 1, 'x')")
 }
 
+/// The claim of one topic named exactly (an engine's handlers, a relay's route).
+fn claim_topic(n: usize) -> String {
+    format!("SELECT * FROM postbox.claim_topic('t', {n}, 30, 1, 'x')")
+}
+
 #[derive(QueryableByName)]
 struct Id {
     #[diesel(sql_type = diesel::sql_types::BigInt)]
@@ -23,7 +28,12 @@ struct Id {
 
 /// The ids `conn`'s claim of `n` returns, in order.
 fn claimed(conn: &mut PgConnection, n: usize) -> Vec<i64> {
-    let mut ids: Vec<i64> = diesel::sql_query(claim(n))
+    claimed_by(conn, &claim(n))
+}
+
+/// The ids `sql` returns on `conn`, in order.
+fn claimed_by(conn: &mut PgConnection, sql: &str) -> Vec<i64> {
+    let mut ids: Vec<i64> = diesel::sql_query(sql)
         .load::<Id>(conn)
         .unwrap()
         .into_iter()
@@ -74,6 +84,11 @@ fn entries_read(conn: &mut PgConnection, sql: &str) -> i64 {
 /// has no floors yet, walks the 20,000 entries the pin keeps (what every claim did before).
 #[test]
 fn a_claim_under_a_pinned_horizon_reads_what_it_returns() {
+    pinned(claim, "", "every topic");
+    pinned(claim_topic, "'t', ", "one topic");
+}
+
+fn pinned(claim: fn(usize) -> String, topic_arg: &str, shape: &str) {
     for pin_sql in [
         "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM postbox.turns",
         "BEGIN; SELECT pg_current_xact_id()",
@@ -84,14 +99,16 @@ fn a_claim_under_a_pinned_horizon_reads_what_it_returns() {
         pin.batch_execute(pin_sql).unwrap();
         let mut relay = db.conn();
         for _ in 0..40 {
-            db.exec("INSERT INTO postbox.messages (topic) SELECT 't.' || (g % 7) FROM generate_series(1, 500) g");
-            assert_eq!(claimed(&mut relay, 500).len(), 500);
+            db.exec(
+                "INSERT INTO postbox.messages (topic) SELECT 't' FROM generate_series(1, 500) g",
+            );
+            assert_eq!(claimed_by(&mut relay, &claim(500)).len(), 500);
             relay
                 .batch_execute("DELETE FROM postbox.messages WHERE state = 'running'")
                 .unwrap();
         }
         db.exec("VACUUM postbox.messages");
-        db.exec("INSERT INTO postbox.messages (topic) SELECT 't.' || (g % 7) FROM generate_series(1, 100) g");
+        db.exec("INSERT INTO postbox.messages (topic) SELECT 't' FROM generate_series(1, 100) g");
         let warm = entries_read(&mut relay, &claim(100));
         let cold = entries_read(&mut db.conn(), &claim(100));
         // Another connection of the relay's process: given the floors its store saw last.
@@ -100,16 +117,26 @@ fn a_claim_under_a_pinned_horizon_reads_what_it_returns() {
             #[diesel(sql_type = diesel::sql_types::Text)]
             floors: String,
         }
-        let floors = diesel::sql_query("SELECT current_setting('postbox.claim_floors') AS floors")
-            .get_result::<Floors>(&mut relay)
-            .unwrap()
-            .floors;
+        let floors = diesel::sql_query(format!(
+            "SELECT current_setting(postbox.claim_floors_setting({})) AS floors",
+            if topic_arg.is_empty() { "NULL" } else { "'t'" }
+        ))
+        .get_result::<Floors>(&mut relay)
+        .unwrap()
+        .floors;
         let shared = entries_read(
             &mut db.conn(),
-            &format!("SELECT * FROM postbox.claim_ready(100, 30, 1, 'x', '{floors}')"),
+            &format!(
+                "SELECT * FROM postbox.claim_ready({}100, 30, 1, 'x', '{floors}')",
+                if topic_arg.is_empty() {
+                    "NULL, "
+                } else {
+                    topic_arg
+                }
+            ),
         );
         eprintln!(
-            "{pin_sql}: index entries read by a claim of 100: {warm} (relay's session), {shared} (a new one given its floors), {cold} (a new one without)"
+            "{shape}, {pin_sql}: index entries read by a claim of 100: {warm} (relay's session), {shared} (a new one given its floors), {cold} (a new one without)"
         );
         assert!(shared <= 500, "{pin_sql}: with the floors given, {shared}");
         assert!(
@@ -120,7 +147,7 @@ fn a_claim_under_a_pinned_horizon_reads_what_it_returns() {
             cold >= 20_000,
             "{pin_sql}: a session without floors read {cold}: the pin did not keep the entries?"
         );
-        assert_eq!(claimed(&mut relay, 1000).len(), 100, "{pin_sql}");
+        assert_eq!(claimed_by(&mut relay, &claim(1000)).len(), 100, "{pin_sql}");
         pin.batch_execute("ROLLBACK").unwrap();
     }
 }
@@ -132,6 +159,12 @@ fn a_claim_under_a_pinned_horizon_reads_what_it_returns() {
 /// session's next claim.
 #[test]
 fn the_floors_never_hide_a_message() {
+    never_hidden(claim);
+    never_hidden(claim_topic);
+}
+
+fn never_hidden(claim: fn(usize) -> String) {
+    let claimed = |conn: &mut PgConnection, n: usize| claimed_by(conn, &claim(n));
     let db = TestDb::migrated();
     let mut relay = db.conn();
     let new_ids = |db: &TestDb| {
@@ -144,12 +177,14 @@ fn the_floors_never_hide_a_message() {
     // A writer's transaction that began before the claims and commits after them.
     let mut writer = db.conn();
     writer
-        .batch_execute("BEGIN; INSERT INTO postbox.messages (topic) VALUES ('late'), ('late')")
+        .batch_execute(
+            "BEGIN; INSERT INTO postbox.messages (topic, key) VALUES ('t', 'late'), ('t', 'late')",
+        )
         .unwrap();
-    db.exec("INSERT INTO postbox.messages (topic) VALUES ('early')");
+    db.exec("INSERT INTO postbox.messages (topic, key) VALUES ('t', 'early')");
     let want = new_ids(&db);
     assert_eq!(claimed(&mut relay, 10), want);
-    db.exec("INSERT INTO postbox.messages (topic) VALUES ('after')");
+    db.exec("INSERT INTO postbox.messages (topic, key) VALUES ('t', 'after')");
     let want = new_ids(&db);
     assert_eq!(claimed(&mut relay, 10), want);
     writer.batch_execute("COMMIT").unwrap();
@@ -158,13 +193,13 @@ fn the_floors_never_hide_a_message() {
     assert_eq!(claimed(&mut relay, 10), late, "the late commit's messages");
 
     // Another session's claim holds two rows while this one claims past them, then rolls back.
-    db.exec("INSERT INTO postbox.messages (topic) SELECT 'b' FROM generate_series(1, 3)");
+    db.exec("INSERT INTO postbox.messages (topic) SELECT 't' FROM generate_series(1, 3)");
     let mut other = db.conn();
     other
         .batch_execute(&format!("BEGIN; {}", claim(2)))
         .unwrap();
     assert_eq!(claimed(&mut relay, 10).len(), 1);
-    db.exec("INSERT INTO postbox.messages (topic) VALUES ('newer')");
+    db.exec("INSERT INTO postbox.messages (topic, key) VALUES ('t', 'newer')");
     assert_eq!(claimed(&mut relay, 10).len(), 1, "the newer one");
     other.batch_execute("ROLLBACK").unwrap();
     let released = new_ids(&db);
@@ -188,26 +223,28 @@ fn the_floors_never_hide_a_message() {
     assert_eq!(claimed(&mut relay, 10), back, "the message put back");
 
     // A more urgent priority, and one less urgent, after the floors were set.
-    db.exec("INSERT INTO postbox.messages (topic, priority) VALUES ('low', 9), ('plain', 0), ('urgent', -9)");
+    db.exec("INSERT INTO postbox.messages (topic, key, priority) VALUES ('t', 'low', 9), ('t', 'plain', 0), ('t', 'urgent', -9)");
     for topic in ["urgent", "plain", "low"] {
         let want = ids(
             &db,
-            &format!("SELECT id FROM postbox.messages WHERE topic = '{topic}'"),
+            &format!("SELECT id FROM postbox.messages WHERE key = '{topic}'"),
         );
         assert_eq!(claimed(&mut relay, 1), want, "{topic}");
     }
 
     // A priority never seen, from a transaction open across claims.
     writer
-        .batch_execute("BEGIN; INSERT INTO postbox.messages (topic, priority) VALUES ('odd', 4)")
+        .batch_execute(
+            "BEGIN; INSERT INTO postbox.messages (topic, key, priority) VALUES ('t', 'odd', 4)",
+        )
         .unwrap();
-    db.exec("INSERT INTO postbox.messages (topic) VALUES ('x')");
+    db.exec("INSERT INTO postbox.messages (topic, key) VALUES ('t', 'x')");
     assert_eq!(claimed(&mut relay, 10).len(), 1);
     assert_eq!(claimed(&mut relay, 10).len(), 0);
     writer.batch_execute("COMMIT").unwrap();
     assert_eq!(
         claimed(&mut relay, 10),
-        ids(&db, "SELECT id FROM postbox.messages WHERE topic = 'odd'"),
+        ids(&db, "SELECT id FROM postbox.messages WHERE key = 'odd'"),
         "the unseen priority's message"
     );
     assert_eq!(

@@ -723,7 +723,7 @@ async fn claim_plan_walks_the_claim_index_even_with_stale_statistics() {
         .explain_claim(100, &Topics::only(["bulk"]))
         .await
         .unwrap();
-    assert!(plan.contains("messages_available_idx"), "{plan}");
+    assert!(plan.contains("messages_ready_topic_idx"), "{plan}");
     assert!(!plan.contains("Seq Scan on messages"), "{plan}");
     assert!(!plan.contains("Sort"), "{plan}");
     // And the function itself claims in order.

@@ -17,6 +17,9 @@
 //!    latency on backlogs of every shape, the drain rate of ordered against unordered messages,
 //!    and the cost of `status` and of the metrics sample at 10M rows; see `backlog.rs`.
 //!
+//! 7. `--only xmin`: a pinned xmin horizon at a fixed rate, on a cluster of its own with
+//!    autovacuum on, per minute (15 minutes by default); see `xmin.rs`.
+//!
 //! 6. `--only console`: the operator console's pages (overview, messages and dead letters with a
 //!    JSON filter) at `--status-rows` rows, p50 and p95; see `console.rs`.
 //!
@@ -29,6 +32,7 @@ mod stream;
 mod stream_bounds;
 mod topics;
 mod write;
+mod xmin;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -56,6 +60,10 @@ struct Args {
     backlog_rows: usize,
     /// Rows for the `status` figure of `--only backlog` (default 10,000,000).
     status_rows: usize,
+    /// `--only xmin`: how long the horizon is pinned (default 10 minutes).
+    pin_minutes: u64,
+    /// `--only xmin`: the offered rate, messages a second (default 800).
+    rate: u64,
 }
 
 fn args() -> Args {
@@ -67,6 +75,8 @@ fn args() -> Args {
         kafka: None,
         backlog_rows: 1_000_000,
         status_rows: 10_000_000,
+        pin_minutes: 10,
+        rate: 800,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -94,6 +104,13 @@ fn args() -> Args {
                     .and_then(|v| v.parse().ok())
                     .expect("--backlog-rows N")
             }
+            "--pin-minutes" => {
+                a.pin_minutes = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--pin-minutes N")
+            }
+            "--rate" => a.rate = it.next().and_then(|v| v.parse().ok()).expect("--rate N"),
             "--status-rows" => {
                 a.status_rows = it
                     .next()
@@ -101,7 +118,7 @@ fn args() -> Args {
                     .expect("--status-rows N")
             }
             other => panic!(
-                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|fresh|ordered-drain|topics|stream|console|write] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS]"
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|fresh|ordered-drain|topics|stream|console|write|xmin] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS] [--pin-minutes N] [--rate N]"
             ),
         }
     }
@@ -944,6 +961,10 @@ async fn main() {
     }
     if a.only.as_deref() == Some("console") {
         console::run(&a.url, a.status_rows).await;
+        return;
+    }
+    if a.only.as_deref() == Some("xmin") {
+        xmin::run(a.rate, a.pin_minutes).await;
         return;
     }
     if a.only.as_deref() == Some("write") {

@@ -39,12 +39,21 @@ CREATE TRIGGER messages_ready BEFORE UPDATE ON postbox.messages
 
 CREATE INDEX messages_ready_idx ON postbox.messages ((priority::integer), ready_xid, id)
     WHERE state = 'available';
+CREATE INDEX messages_ready_topic_idx ON postbox.messages (topic, (priority::integer), ready_xid, id)
+    WHERE state = 'available';
 
--- The claim of every topic from the session's floors (setting postbox.claim_floors, written by
--- the function itself: 'G;pending xids;priority:floor,...'), or from p_floors when they are
--- newer (another connection of the same process); with neither, from the front, once.
-CREATE FUNCTION postbox.claim_ready(p_batch integer, p_lease_secs double precision, p_token bigint, p_owner text,
-                                    p_floors text DEFAULT NULL)
+-- The session setting that holds the floors of the claim of every topic (NULL) or of a topic.
+CREATE FUNCTION postbox.claim_floors_setting(p_topic text) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    RETURN CASE WHEN p_topic IS NULL THEN 'postbox.claim_floors'
+                ELSE 'postbox.claim_floors_' || md5(p_topic) END;
+
+-- The claim of every topic (p_topic NULL) or of one topic, from the floors the session kept
+-- (setting postbox.claim_floors, or postbox.claim_floors_<md5 of the topic>, written by the
+-- function itself: 'G;pending xids;priority:floor,...'), or from p_floors when they are newer
+-- (another connection of the same process); with neither, from the front, once.
+CREATE FUNCTION postbox.claim_ready(p_topic text, p_batch integer, p_lease_secs double precision, p_token bigint,
+                                    p_owner text, p_floors text DEFAULT NULL)
     RETURNS SETOF postbox.messages
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
@@ -55,7 +64,8 @@ CREATE FUNCTION postbox.claim_ready(p_batch integer, p_lease_secs double precisi
     AS $$
 DECLARE
     v_batch integer := least(p_batch, 1000000);
-    v_state text := current_setting('postbox.claim_floors', true);
+    v_setting text := postbox.claim_floors_setting(p_topic);
+    v_state text := current_setting(postbox.claim_floors_setting(p_topic), true);
     v_snap pg_snapshot := pg_current_snapshot();
     v_running xid8[] := ARRAY(SELECT pg_snapshot_xip(v_snap));
     -- Above this, rows of any priority; below, only rows of the pending transactions.
@@ -105,13 +115,24 @@ BEGIN
     v_known := ARRAY(SELECT p FROM unnest(v_priorities) AS u(p) ORDER BY p) || 2147483647;
     FOREACH v_hi IN ARRAY v_known LOOP
         LOOP
-            -- explain: a priority not known yet
-            SELECT m.priority::integer
-            INTO v_found
-            FROM postbox.messages m
+            IF p_topic IS NULL THEN
+                -- explain: a priority not known yet
+                SELECT m.priority::integer
+                INTO v_found
+                FROM postbox.messages m
                 WHERE m.state = 'available' AND m.priority::integer > v_lo AND m.priority::integer < v_hi
                   AND m.ready_xid >= v_from
                 ORDER BY m.priority::integer LIMIT 1;
+            ELSE
+                -- explain: a priority of the topic not known yet
+                SELECT m.priority::integer
+                INTO v_found
+                FROM postbox.messages m
+                WHERE m.state = 'available' AND m.topic = p_topic
+                  AND m.priority::integer > v_lo AND m.priority::integer < v_hi
+                  AND m.ready_xid >= v_from
+                ORDER BY m.priority::integer LIMIT 1;
+            END IF;
             EXIT WHEN NOT FOUND;
             v_priorities := v_priorities || v_found;
             v_floors := v_floors || v_from;
@@ -125,14 +146,26 @@ BEGIN
         EXIT WHEN v_got >= v_batch;
         v_priority := v_priorities[i];
         v_from := least(v_floors[i], v_ended);
-        -- explain: every topic
-        SELECT array_agg(c.id), count(*)
-        INTO v_more, v_n
-        FROM (SELECT m.id FROM postbox.messages m
-              WHERE m.state = 'available' AND m.priority::integer = v_priority AND m.ready_xid >= v_from
-              ORDER BY m.priority::integer, m.ready_xid, m.id
-              LIMIT v_batch - v_got
-              FOR NO KEY UPDATE SKIP LOCKED) c;
+        IF p_topic IS NULL THEN
+            -- explain: every topic
+            SELECT array_agg(c.id), count(*)
+            INTO v_more, v_n
+            FROM (SELECT m.id FROM postbox.messages m
+                  WHERE m.state = 'available' AND m.priority::integer = v_priority AND m.ready_xid >= v_from
+                  ORDER BY m.priority::integer, m.ready_xid, m.id
+                  LIMIT v_batch - v_got
+                  FOR NO KEY UPDATE SKIP LOCKED) c;
+        ELSE
+            -- explain: one topic
+            SELECT array_agg(c.id), count(*)
+            INTO v_more, v_n
+            FROM (SELECT m.id FROM postbox.messages m
+                  WHERE m.state = 'available' AND m.topic = p_topic AND m.priority::integer = v_priority
+                    AND m.ready_xid >= v_from
+                  ORDER BY m.topic, m.priority::integer, m.ready_xid, m.id
+                  LIMIT v_batch - v_got
+                  FOR NO KEY UPDATE SKIP LOCKED) c;
+        END IF;
         IF v_n > 0 THEN
             v_ids := v_ids || v_more;
             v_got := v_got + v_n;
@@ -154,26 +187,36 @@ BEGIN
     FOREACH i IN ARRAY v_order LOOP
         v_priority := v_priorities[i];
         v_from := least(v_floors[i], v_ended);
-        -- explain: a floor
-        SELECT m.ready_xid
-        INTO v_next
-        FROM postbox.messages m
+        IF p_topic IS NULL THEN
+            -- explain: a floor
+            SELECT m.ready_xid
+            INTO v_next
+            FROM postbox.messages m
             WHERE m.state = 'available' AND m.priority::integer = v_priority AND m.ready_xid >= v_from
             ORDER BY m.priority::integer, m.ready_xid LIMIT 1;
+        ELSE
+            -- explain: a floor of the topic
+            SELECT m.ready_xid
+            INTO v_next
+            FROM postbox.messages m
+            WHERE m.state = 'available' AND m.topic = p_topic AND m.priority::integer = v_priority
+              AND m.ready_xid >= v_from
+            ORDER BY m.topic, m.priority::integer, m.ready_xid LIMIT 1;
+        END IF;
         IF NOT FOUND OR v_next > pg_snapshot_xmax(v_snap) THEN
             v_next := pg_snapshot_xmax(v_snap);
         END IF;
         v_out := v_out || (v_priorities[i]::text || ':' || v_next::text);
     END LOOP;
-    PERFORM set_config('postbox.claim_floors',
+    PERFORM set_config(v_setting,
                        pg_snapshot_xmax(v_snap)::text || ';' || array_to_string(v_running, ',') || ';'
                        || array_to_string(v_out, ','),
                        false);
 END
 $$;
 
-COMMENT ON FUNCTION postbox.claim_ready(integer, double precision, bigint, text, text) IS
-    'The claim of every topic (no exclusions), walking the claim order from the floors this session kept: see the migration ready_positions';
+COMMENT ON FUNCTION postbox.claim_ready(text, integer, double precision, bigint, text, text) IS
+    'The claim of every topic (p_topic NULL, no exclusions) or of one topic named exactly, walking the claim order from the floors this session kept: see the migration ready_positions';
 
 -- The claim routes the claim of every topic there.
 CREATE OR REPLACE FUNCTION postbox.claim(p_batch integer, p_lease_secs double precision, p_all_topics boolean, p_topics text[], p_patterns text[], p_not_topics text[], p_not_patterns text[], p_token bigint, p_owner text) RETURNS SETOF postbox.messages
@@ -184,7 +227,7 @@ CREATE OR REPLACE FUNCTION postbox.claim(p_batch integer, p_lease_secs double pr
     AS $$
 BEGIN
     IF p_all_topics AND cardinality(p_not_topics) = 0 AND cardinality(p_not_patterns) = 0 THEN
-        RETURN QUERY SELECT * FROM postbox.claim_ready(p_batch, p_lease_secs, p_token, p_owner);
+        RETURN QUERY SELECT * FROM postbox.claim_ready(NULL, p_batch, p_lease_secs, p_token, p_owner);
         RETURN;
     END IF;
     RETURN QUERY
@@ -197,5 +240,14 @@ BEGIN
     WHERE m.id = ANY(ARRAY(SELECT p.id FROM postbox.pick(p_batch, p_all_topics, p_topics, p_patterns,
                                                          p_not_topics, p_not_patterns) p))
     RETURNING m.*;
+END
+$$;
+
+-- The claim of one topic named exactly: from its floors too.
+CREATE OR REPLACE FUNCTION postbox.claim_topic(p_topic text, p_batch integer, p_lease_secs double precision, p_token bigint, p_owner text) RETURNS SETOF postbox.messages
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM postbox.claim_ready(p_topic, p_batch, p_lease_secs, p_token, p_owner);
 END
 $$;

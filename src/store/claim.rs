@@ -347,21 +347,22 @@ SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, ma
 FROM postbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9)
 "#;
 
-/// The claim of every topic, from the newest floors the store has seen when its connection has
-/// none or older ones; each row carries the floors the session keeps after it.
+/// The claim of every topic (`$1` NULL) or of one topic named exactly, from the newest floors
+/// the store has seen when its connection has none or older ones; each row carries the floors
+/// the session keeps after it.
 const CLAIM_READY: &str = r#"
 SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
        created_at, locked_until, lease_token, last_error, dedup_key,
-       current_setting('postbox.claim_floors', true) AS floors
-FROM postbox.claim_ready($1, $2, $3, $4, $5)
+       current_setting(postbox.claim_floors_setting($1), true) AS floors
+FROM postbox.claim_ready($1, $2, $3, $4, $5, $6)
 "#;
 
-/// A claim from one topic named exactly: `postbox.claim_topic` without the filter's resolution.
-const CLAIM_ONE: &str = r#"
-SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
-       created_at, locked_until, lease_token, last_error, dedup_key
-FROM postbox.claim_topic($1, $2, $3, $4, $5)
-"#;
+impl Store {
+    /// The floors this store saw last for the claim of every topic (`None`) or of `topic`.
+    pub(super) fn floors_of(&self, topic: &Option<String>) -> Option<String> {
+        self.floors.lock().ok().and_then(|f| f.get(topic).cloned())
+    }
+}
 
 impl Store {
     /// Leases up to `batch` claimable messages of `topics` for `lease`, in (priority, id) order.
@@ -385,21 +386,14 @@ impl Store {
         let mut conn = self.conn().await?;
         let batch = i32::try_from(batch).unwrap_or(i32::MAX);
         let token = super::new_token();
-        if let Some(topic) = topics.single() {
-            let mut rows: Vec<ClaimedMessage> = diesel::sql_query(CLAIM_ONE)
-                .bind::<Text, _>(topic)
-                .bind::<Integer, _>(batch)
-                .bind::<Double, _>(lease.as_secs_f64())
-                .bind::<BigInt, _>(token)
-                .bind::<Text, _>(&*self.owner)
-                .load(&mut conn)
-                .await?;
-            rows.sort_unstable_by_key(|m| (m.priority, m.id));
-            return Ok(rows);
-        }
-        if topics.all && topics.not_exact.is_empty() && topics.not_like.is_empty() {
-            let floors = self.floors.lock().map(|f| f.clone()).unwrap_or_default();
+        let plain = topics.all && topics.not_exact.is_empty() && topics.not_like.is_empty();
+        let single = topics.single();
+        if plain || single.is_some() {
+            // From the floors this store kept for it (see the migration `ready_positions`).
+            let which = single.map(str::to_owned);
+            let floors = self.floors_of(&which);
             let got: Vec<ClaimedReady> = diesel::sql_query(CLAIM_READY)
+                .bind::<Nullable<Text>, _>(&which)
                 .bind::<Integer, _>(batch)
                 .bind::<Double, _>(lease.as_secs_f64())
                 .bind::<BigInt, _>(token)
@@ -410,7 +404,7 @@ impl Store {
             if let Some(newest) = got.iter().find_map(|r| r.floors.clone())
                 && let Ok(mut f) = self.floors.lock()
             {
-                *f = Some(newest);
+                f.insert(which, newest);
             }
             let mut rows: Vec<ClaimedMessage> = got.into_iter().map(|r| r.message).collect();
             rows.sort_unstable_by_key(|m| (m.priority, m.id));

@@ -188,10 +188,12 @@ impl Store {
 const FUNCTION_SOURCE: &str = "SELECT prosrc AS body FROM pg_proc WHERE oid = $1::regprocedure";
 const PICK: &str =
     "postbox.pick(integer, boolean, text[], text[], text[], text[], smallint, bigint)";
-const CLAIM_TOPIC: &str = "postbox.claim_topic(text, integer, double precision, bigint, text)";
-const CLAIM_READY: &str = "postbox.claim_ready(integer, double precision, bigint, text, text)";
-const MOST_URGENT: &str =
-    "SELECT min(priority)::integer AS priority FROM postbox.messages WHERE state = 'available'";
+const CLAIM_READY: &str =
+    "postbox.claim_ready(text, integer, double precision, bigint, text, text)";
+const WHOLE_CLAIM: &str =
+    "EXPLAIN (ANALYZE, BUFFERS) SELECT * FROM postbox.claim_ready($1, $2, 30, 0, 'explain', $3)";
+const MOST_URGENT: &str = "SELECT min(priority)::integer AS priority FROM postbox.messages
+     WHERE state = 'available' AND ($1::text IS NULL OR topic = $1)";
 const NARROW: &str = "SELECT postbox.narrow_topics($1, $2, $3, $4, $5, 16) AS topics";
 
 /// The statement of `body` after the line `-- explain: NAME` (or after `RETURN QUERY` when
@@ -295,52 +297,55 @@ impl Store {
         };
         let missing = |what: &str| Error::Migration(format!("no statement {what} in the claim"));
         let mut plan = String::new();
-        if let Some(topic) = topics.single() {
-            let body = source(&mut conn, CLAIM_TOPIC).await?;
-            let vars = ["p_topic", "p_batch", "p_lease_secs", "p_token", "p_owner"];
-            let sql = marked_statement(&body, "", &vars).ok_or_else(|| missing("one topic"))?;
+        let plain = topics.all && topics.not_exact.is_empty() && topics.not_like.is_empty();
+        let single = topics.single().map(str::to_owned);
+        if plain || single.is_some() {
+            // The claim of every topic or of one topic named exactly: first the whole claim as
+            // this store runs it, from the floors it kept (see the migration `ready_positions`);
+            // then its scan of the most urgent priority present from the front of its order, as
+            // a session with no floors walks it once.
+            let floors = self.floors_of(&single);
+            let body = source(&mut conn, CLAIM_READY).await?;
+            let (name, vars): (&str, &[&str]) = match single {
+                None => ("every topic", &["v_priority", "v_from", "v_batch - v_got"]),
+                Some(_) => (
+                    "one topic",
+                    &["v_priority", "v_from", "v_batch - v_got", "p_topic"],
+                ),
+            };
+            let sql = marked_statement(&body, name, vars)
+                .ok_or_else(|| missing(name))?
+                .replace("$2", "$2::xid8");
             rolled_back(&mut conn, async |conn| {
                 conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off")
                     .await?;
-                let lines: Vec<PlanLine> = diesel::sql_query(format!("EXPLAIN (ANALYZE, BUFFERS) {sql}"))
-                    .bind::<Text, _>(topic)
+                conn.batch_execute("SAVEPOINT whole").await?;
+                let whole: Vec<PlanLine> = diesel::sql_query(WHOLE_CLAIM)
+                    .bind::<Nullable<Text>, _>(&single)
                     .bind::<Integer, _>(batch)
-                    .bind::<Double, _>(30.0)
-                    .bind::<BigInt, _>(0)
-                    .bind::<Text, _>("explain")
+                    .bind::<Nullable<Text>, _>(floors)
                     .load(conn)
                     .await?;
-                plan.push_str(&format!("-- topic {topic}\n"));
-                plan.extend(lines.into_iter().map(|l| l.line + "\n"));
-                Ok(())
-            })
-            .await?;
-            return Ok(plan);
-        }
-        let plain = topics.all && topics.not_exact.is_empty() && topics.not_like.is_empty();
-        if plain {
-            // The claim of every topic: its scan of the most urgent priority present, from the
-            // front of its order, as a session's first claim walks it (later claims start from
-            // the floors the session kept: see the migration `ready_positions`).
-            let body = source(&mut conn, CLAIM_READY).await?;
-            let sql = marked_statement(
-                &body,
-                "every topic",
-                &["v_priority", "v_from", "v_batch - v_got"],
-            )
-            .ok_or_else(|| missing("every topic"))?
-            .replace("$2", "$2::xid8");
-            rolled_back(&mut conn, async |conn| {
-                conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off")
+                plan.push_str("-- the claim, from this store's floors\n");
+                plan.extend(whole.into_iter().map(|l| l.line + "\n"));
+                // What it claimed is not claimed for the scan below.
+                conn.batch_execute("ROLLBACK TO SAVEPOINT whole").await?;
+                let first: Urgent = diesel::sql_query(MOST_URGENT)
+                    .bind::<Nullable<Text>, _>(&single)
+                    .get_result(conn)
                     .await?;
-                let first: Urgent = diesel::sql_query(MOST_URGENT).get_result(conn).await?;
-                let lines: Vec<PlanLine> = diesel::sql_query(format!("EXPLAIN (ANALYZE, BUFFERS) {sql}"))
+                let query = diesel::sql_query(format!("EXPLAIN (ANALYZE, BUFFERS) {sql}"))
                     .bind::<Integer, _>(first.priority.unwrap_or(0))
                     .bind::<Text, _>("0")
-                    .bind::<Integer, _>(batch)
-                    .load(conn)
-                    .await?;
-                plan.push_str("-- every topic\n");
+                    .bind::<Integer, _>(batch);
+                let lines: Vec<PlanLine> = match &single {
+                    None => query.load(conn).await?,
+                    Some(topic) => query.bind::<Text, _>(topic).load(conn).await?,
+                };
+                match &single {
+                    None => plan.push_str("-- every topic\n"),
+                    Some(topic) => plan.push_str(&format!("-- topic {topic}\n")),
+                }
                 plan.extend(lines.into_iter().map(|l| l.line + "\n"));
                 Ok(())
             })

@@ -223,9 +223,10 @@ mod pool {
         pub(crate) archive: Option<Arc<str>>,
         /// Heads this store kept for their writers (see the migration `head_pins`).
         pub(crate) kept: Arc<super::kept::KeptHeads>,
-        /// The newest floors of the claim of every topic, for a connection that has none or
-        /// older ones (see the migration `ready_positions`).
-        pub(crate) floors: Arc<std::sync::Mutex<Option<String>>>,
+        /// The newest floors of the claim of every topic (`None`) and of each topic claimed by
+        /// name, for a connection that has none or older ones (see the migration
+        /// `ready_positions`).
+        pub(crate) floors: Arc<std::sync::Mutex<std::collections::HashMap<Option<String>, String>>>,
     }
 
     impl std::fmt::Debug for Store {

@@ -174,7 +174,7 @@ CREATE FUNCTION postbox.claim(p_batch integer, p_lease_secs double precision, p_
     AS $$
 BEGIN
     IF p_all_topics AND cardinality(p_not_topics) = 0 AND cardinality(p_not_patterns) = 0 THEN
-        RETURN QUERY SELECT * FROM postbox.claim_ready(p_batch, p_lease_secs, p_token, p_owner);
+        RETURN QUERY SELECT * FROM postbox.claim_ready(NULL, p_batch, p_lease_secs, p_token, p_owner);
         RETURN;
     END IF;
     RETURN QUERY
@@ -189,6 +189,14 @@ BEGIN
     RETURNING m.*;
 END
 $$;
+
+--
+-- Name: claim_floors_setting(text); Type: FUNCTION; Schema: postbox; Owner: -
+--
+
+CREATE FUNCTION postbox.claim_floors_setting(p_topic text) RETURNS text
+    LANGUAGE sql IMMUTABLE
+    RETURN CASE WHEN (p_topic IS NULL) THEN 'postbox.claim_floors'::text ELSE ('postbox.claim_floors_'::text || md5(p_topic)) END;
 
 --
 -- Name: claim_limited(text, integer, boolean, boolean, text[], text[], integer, double precision, boolean, text[], text[], text[], text[], bigint, text); Type: FUNCTION; Schema: postbox; Owner: -
@@ -381,10 +389,10 @@ END
 $$;
 
 --
--- Name: claim_ready(integer, double precision, bigint, text, text); Type: FUNCTION; Schema: postbox; Owner: -
+-- Name: claim_ready(text, integer, double precision, bigint, text, text); Type: FUNCTION; Schema: postbox; Owner: -
 --
 
-CREATE FUNCTION postbox.claim_ready(p_batch integer, p_lease_secs double precision, p_token bigint, p_owner text, p_floors text DEFAULT NULL::text) RETURNS SETOF postbox.messages
+CREATE FUNCTION postbox.claim_ready(p_topic text, p_batch integer, p_lease_secs double precision, p_token bigint, p_owner text, p_floors text DEFAULT NULL::text) RETURNS SETOF postbox.messages
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET enable_bitmapscan TO 'off'
@@ -394,7 +402,8 @@ CREATE FUNCTION postbox.claim_ready(p_batch integer, p_lease_secs double precisi
     AS $$
 DECLARE
     v_batch integer := least(p_batch, 1000000);
-    v_state text := current_setting('postbox.claim_floors', true);
+    v_setting text := postbox.claim_floors_setting(p_topic);
+    v_state text := current_setting(postbox.claim_floors_setting(p_topic), true);
     v_snap pg_snapshot := pg_current_snapshot();
     v_running xid8[] := ARRAY(SELECT pg_snapshot_xip(v_snap));
     -- Above this, rows of any priority; below, only rows of the pending transactions.
@@ -444,13 +453,24 @@ BEGIN
     v_known := ARRAY(SELECT p FROM unnest(v_priorities) AS u(p) ORDER BY p) || 2147483647;
     FOREACH v_hi IN ARRAY v_known LOOP
         LOOP
-            -- explain: a priority not known yet
-            SELECT m.priority::integer
-            INTO v_found
-            FROM postbox.messages m
+            IF p_topic IS NULL THEN
+                -- explain: a priority not known yet
+                SELECT m.priority::integer
+                INTO v_found
+                FROM postbox.messages m
                 WHERE m.state = 'available' AND m.priority::integer > v_lo AND m.priority::integer < v_hi
                   AND m.ready_xid >= v_from
                 ORDER BY m.priority::integer LIMIT 1;
+            ELSE
+                -- explain: a priority of the topic not known yet
+                SELECT m.priority::integer
+                INTO v_found
+                FROM postbox.messages m
+                WHERE m.state = 'available' AND m.topic = p_topic
+                  AND m.priority::integer > v_lo AND m.priority::integer < v_hi
+                  AND m.ready_xid >= v_from
+                ORDER BY m.priority::integer LIMIT 1;
+            END IF;
             EXIT WHEN NOT FOUND;
             v_priorities := v_priorities || v_found;
             v_floors := v_floors || v_from;
@@ -464,14 +484,26 @@ BEGIN
         EXIT WHEN v_got >= v_batch;
         v_priority := v_priorities[i];
         v_from := least(v_floors[i], v_ended);
-        -- explain: every topic
-        SELECT array_agg(c.id), count(*)
-        INTO v_more, v_n
-        FROM (SELECT m.id FROM postbox.messages m
-              WHERE m.state = 'available' AND m.priority::integer = v_priority AND m.ready_xid >= v_from
-              ORDER BY m.priority::integer, m.ready_xid, m.id
-              LIMIT v_batch - v_got
-              FOR NO KEY UPDATE SKIP LOCKED) c;
+        IF p_topic IS NULL THEN
+            -- explain: every topic
+            SELECT array_agg(c.id), count(*)
+            INTO v_more, v_n
+            FROM (SELECT m.id FROM postbox.messages m
+                  WHERE m.state = 'available' AND m.priority::integer = v_priority AND m.ready_xid >= v_from
+                  ORDER BY m.priority::integer, m.ready_xid, m.id
+                  LIMIT v_batch - v_got
+                  FOR NO KEY UPDATE SKIP LOCKED) c;
+        ELSE
+            -- explain: one topic
+            SELECT array_agg(c.id), count(*)
+            INTO v_more, v_n
+            FROM (SELECT m.id FROM postbox.messages m
+                  WHERE m.state = 'available' AND m.topic = p_topic AND m.priority::integer = v_priority
+                    AND m.ready_xid >= v_from
+                  ORDER BY m.topic, m.priority::integer, m.ready_xid, m.id
+                  LIMIT v_batch - v_got
+                  FOR NO KEY UPDATE SKIP LOCKED) c;
+        END IF;
         IF v_n > 0 THEN
             v_ids := v_ids || v_more;
             v_got := v_got + v_n;
@@ -493,18 +525,28 @@ BEGIN
     FOREACH i IN ARRAY v_order LOOP
         v_priority := v_priorities[i];
         v_from := least(v_floors[i], v_ended);
-        -- explain: a floor
-        SELECT m.ready_xid
-        INTO v_next
-        FROM postbox.messages m
+        IF p_topic IS NULL THEN
+            -- explain: a floor
+            SELECT m.ready_xid
+            INTO v_next
+            FROM postbox.messages m
             WHERE m.state = 'available' AND m.priority::integer = v_priority AND m.ready_xid >= v_from
             ORDER BY m.priority::integer, m.ready_xid LIMIT 1;
+        ELSE
+            -- explain: a floor of the topic
+            SELECT m.ready_xid
+            INTO v_next
+            FROM postbox.messages m
+            WHERE m.state = 'available' AND m.topic = p_topic AND m.priority::integer = v_priority
+              AND m.ready_xid >= v_from
+            ORDER BY m.topic, m.priority::integer, m.ready_xid LIMIT 1;
+        END IF;
         IF NOT FOUND OR v_next > pg_snapshot_xmax(v_snap) THEN
             v_next := pg_snapshot_xmax(v_snap);
         END IF;
         v_out := v_out || (v_priorities[i]::text || ':' || v_next::text);
     END LOOP;
-    PERFORM set_config('postbox.claim_floors',
+    PERFORM set_config(v_setting,
                        pg_snapshot_xmax(v_snap)::text || ';' || array_to_string(v_running, ',') || ';'
                        || array_to_string(v_out, ','),
                        false);
@@ -512,10 +554,10 @@ END
 $$;
 
 --
--- Name: FUNCTION claim_ready(p_batch integer, p_lease_secs double precision, p_token bigint, p_owner text, p_floors text); Type: COMMENT; Schema: postbox; Owner: -
+-- Name: FUNCTION claim_ready(p_topic text, p_batch integer, p_lease_secs double precision, p_token bigint, p_owner text, p_floors text); Type: COMMENT; Schema: postbox; Owner: -
 --
 
-COMMENT ON FUNCTION postbox.claim_ready(p_batch integer, p_lease_secs double precision, p_token bigint, p_owner text, p_floors text) IS 'The claim of every topic (no exclusions), walking the claim order from the floors this session kept: see the migration ready_positions';
+COMMENT ON FUNCTION postbox.claim_ready(p_topic text, p_batch integer, p_lease_secs double precision, p_token bigint, p_owner text, p_floors text) IS 'The claim of every topic (p_topic NULL, no exclusions) or of one topic named exactly, walking the claim order from the floors this session kept: see the migration ready_positions';
 
 --
 -- Name: claim_topic(text, integer, double precision, bigint, text); Type: FUNCTION; Schema: postbox; Owner: -
@@ -523,30 +565,9 @@ COMMENT ON FUNCTION postbox.claim_ready(p_batch integer, p_lease_secs double pre
 
 CREATE FUNCTION postbox.claim_topic(p_topic text, p_batch integer, p_lease_secs double precision, p_token bigint, p_owner text) RETURNS SETOF postbox.messages
     LANGUAGE plpgsql
-    SET enable_seqscan TO 'off'
-    SET enable_bitmapscan TO 'off'
-    SET enable_sort TO 'off'
-    SET jit TO 'off'
     AS $$
 BEGIN
-    RETURN QUERY
-    WITH picked AS (
-        SELECT m.id
-        FROM postbox.messages m
-        WHERE m.state = 'available' AND m.topic = p_topic
-        ORDER BY m.priority, m.id
-        LIMIT p_batch
-        FOR NO KEY UPDATE SKIP LOCKED
-    )
-    UPDATE postbox.messages m
-    SET state = 'running',
-        attempts = m.attempts + 1,
-        locked_until = now() + make_interval(secs => p_lease_secs),
-        lease_token = p_token,
-        locked_by = p_owner
-    FROM picked
-    WHERE m.id = picked.id
-    RETURNING m.*;
+    RETURN QUERY SELECT * FROM postbox.claim_ready(p_topic, p_batch, p_lease_secs, p_token, p_owner);
 END
 $$;
 
@@ -1924,6 +1945,12 @@ CREATE INDEX messages_heads_idx ON postbox.messages USING btree (topic, key, id)
 --
 
 CREATE INDEX messages_ready_idx ON postbox.messages USING btree (((priority)::integer), ready_xid, id) WHERE (state = 'available'::postbox.message_state);
+
+--
+-- Name: messages_ready_topic_idx; Type: INDEX; Schema: postbox; Owner: -
+--
+
+CREATE INDEX messages_ready_topic_idx ON postbox.messages USING btree (topic, ((priority)::integer), ready_xid, id) WHERE (state = 'available'::postbox.message_state);
 
 --
 -- Name: messages_running_idx; Type: INDEX; Schema: postbox; Owner: -

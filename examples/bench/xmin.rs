@@ -1,0 +1,335 @@
+//! `--only xmin`: a pinned xmin horizon at a fixed offered rate.
+//!
+//! On a PostgreSQL cluster of its own, started here with autovacuum on as production runs it
+//! (`autovacuum_naptime` 1 min; the machine's shared server runs with autovacuum off) and fsync
+//! off (the disk is not what is measured): writers enqueue `--rate` messages a second (default
+//! 800; 4 connections, each message its own transaction), the embedded engine drains them (every
+//! topic, a no-op handler), and after 2 clean minutes a `REPEATABLE READ` transaction holds its
+//! snapshot for `--pin-minutes` (default 10), then rolls back; 3 minutes follow.
+//!
+//! Every minute: e2e latency (the writer's clock before its commit → the handler) p50 and p99,
+//! the cost of one claim of 100 as the engine's store runs it (from its floors; the median of
+//! samples every 10 s, time and buffers, from `Store::explain_claim`), the table's dead tuples
+//! and size, and the depth. Then the ratios: p99 and claim cost of the last pinned minute
+//! against the clean minutes, and how long after the release p99 was back within 2× clean.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use diesel::connection::SimpleConnection;
+use diesel::{Connection, PgConnection, QueryableByName, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection};
+use postbox::engine::Engine;
+use postbox::sink::handlers::{Handlers, Job};
+use postbox::{Message, Topics};
+use tokio_util::sync::CancellationToken;
+
+use super::{median, percentile};
+
+const CLEAN_MINUTES: u64 = 2;
+const AFTER_MINUTES: u64 = 3;
+const WRITERS: u64 = 4;
+
+/// A cluster of this bench's own, removed when dropped.
+struct Cluster {
+    dir: std::path::PathBuf,
+    bin: std::path::PathBuf,
+    port: u16,
+}
+
+fn root() -> bool {
+    std::fs::metadata("/proc/self")
+        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
+        .unwrap_or(false)
+}
+
+impl Cluster {
+    fn tool(&self, name: &str) -> std::process::Command {
+        let path = self.bin.join(name);
+        if root() {
+            let mut c = std::process::Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(path);
+            c
+        } else {
+            std::process::Command::new(path)
+        }
+    }
+
+    fn run(&self, name: &str, args: &[&str]) {
+        let out = self.tool(name).args(args).output().expect(name);
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn start() -> Cluster {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .expect("PostgreSQL's server binaries under /usr/lib/postgresql")
+            .filter_map(|e| e.ok())
+            .map(|e| e.path().join("bin"))
+            .filter(|p| p.join("initdb").exists())
+            .max()
+            .expect("an initdb under /usr/lib/postgresql/*/bin");
+        let dir = std::env::temp_dir().join(format!("postbox-bench-xmin-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        if root() {
+            let ok = std::process::Command::new("chown")
+                .args(["postgres:postgres", dir.to_str().unwrap()])
+                .status()
+                .unwrap();
+            assert!(ok.success());
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let c = Cluster { dir, bin, port };
+        let data = c.dir.join("data");
+        let data = data.to_str().unwrap();
+        c.run(
+            "initdb",
+            &["-D", data, "-U", "postgres", "--auth=trust", "--no-sync"],
+        );
+        let options = format!(
+            "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories={} -c fsync=off \
+             -c autovacuum=on -c autovacuum_naptime=60 -c shared_buffers=256MB -c max_connections=100",
+            c.port,
+            c.dir.to_str().unwrap()
+        );
+        let log = c.dir.join("log");
+        c.run(
+            "pg_ctl",
+            &[
+                "-D",
+                data,
+                "-o",
+                &options,
+                "-l",
+                log.to_str().unwrap(),
+                "-w",
+                "start",
+            ],
+        );
+        c
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let data = self.dir.join("data");
+        let _ = self
+            .tool("pg_ctl")
+            .args(["-D", data.to_str().unwrap(), "-m", "immediate", "stop"])
+            .output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn micros_now() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i64
+}
+
+#[derive(QueryableByName)]
+struct Table {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    dead: i64,
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    bytes: i64,
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    depth: i64,
+}
+
+const TABLE: &str = "SELECT coalesce((SELECT n_dead_tup FROM pg_stat_user_tables
+                                      WHERE relid = 'postbox.messages'::regclass), 0) AS dead,
+                            pg_total_relation_size('postbox.messages') AS bytes,
+                            (SELECT count(*) FROM postbox.messages WHERE state = 'available') AS depth";
+
+/// Time (ms) and buffers of the first EXPLAIN in `plan` (the whole claim).
+fn claim_cost(plan: &str) -> (f64, f64) {
+    let buffers = plan
+        .lines()
+        .find(|l| l.trim_start().starts_with("Buffers:"))
+        .map(|l| {
+            l.split_whitespace()
+                .filter_map(|w| w.split_once('='))
+                .filter(|(k, _)| matches!(*k, "hit" | "read"))
+                .filter_map(|(_, v)| v.parse::<f64>().ok())
+                .sum()
+        })
+        .unwrap_or(0.0);
+    let ms = plan
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("Execution Time: "))
+        .and_then(|v| v.trim_end_matches(" ms").parse().ok())
+        .unwrap_or(0.0);
+    (ms, buffers)
+}
+
+/// One minute's figures.
+struct Minute {
+    phase: &'static str,
+    p50: f64,
+    p99: f64,
+    claim_ms: f64,
+    claim_buffers: f64,
+}
+
+pub async fn run(rate: u64, pin_minutes: u64) {
+    let cluster = Cluster::start();
+    let url = cluster.url();
+    postbox::migrate(&mut PgConnection::establish(&url).unwrap()).unwrap();
+    let latencies: Arc<Mutex<Vec<f64>>> = Arc::default();
+    let delivered = Arc::new(AtomicU64::new(0));
+    let produced = Arc::new(AtomicU64::new(0));
+    let seen = latencies.clone();
+    let count = delivered.clone();
+    let handlers = Handlers::new().on("bench.xmin", move |job: Job<serde_json::Value>| {
+        let ms = (micros_now() - job.payload["t"].as_i64().unwrap_or(0)) as f64 / 1000.0;
+        seen.lock().unwrap().push(ms);
+        count.fetch_add(1, Ordering::Relaxed);
+        async { Ok(()) }
+    });
+    let engine = Engine::builder(url.clone())
+        .handlers(handlers)
+        .build()
+        .await
+        .unwrap();
+    let store = engine.store().clone();
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(engine.run(shutdown.clone()));
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for _ in 0..WRITERS {
+        let (url, stop, produced) = (url.clone(), stop.clone(), produced.clone());
+        writers.push(tokio::spawn(async move {
+            let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
+            let every = Duration::from_secs_f64(WRITERS as f64 / rate as f64);
+            let mut next = tokio::time::Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                next += every;
+                tokio::time::sleep_until(next).await;
+                let m = Message::new("bench.xmin").payload(&serde_json::json!({"t": micros_now()}));
+                postbox::enqueue_async(&mut conn, &m).await.unwrap();
+                produced.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+
+    let total = CLEAN_MINUTES + pin_minutes + AFTER_MINUTES;
+    let mut pin: Option<PgConnection> = None;
+    let mut stats = PgConnection::establish(&url).unwrap();
+    let mut minutes: Vec<Minute> = Vec::new();
+    println!(
+        "xmin: {rate}/s offered, {CLEAN_MINUTES} min clean, {pin_minutes} min pinned (a REPEATABLE READ snapshot), {AFTER_MINUTES} min after; own cluster, autovacuum on (naptime 1 min), fsync off"
+    );
+    println!(
+        "minute phase   e2e_p50_ms e2e_p99_ms claim_ms claim_buffers dead_tuples table_mb depth"
+    );
+    let started = Instant::now();
+    for minute in 0..total {
+        let phase = if minute < CLEAN_MINUTES {
+            "clean"
+        } else if minute < CLEAN_MINUTES + pin_minutes {
+            "pinned"
+        } else {
+            "after"
+        };
+        if phase == "pinned" && pin.is_none() {
+            let mut c = PgConnection::establish(&url).unwrap();
+            c.batch_execute(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM postbox.turns",
+            )
+            .unwrap();
+            pin = Some(c);
+        }
+        if phase == "after"
+            && let Some(mut c) = pin.take()
+        {
+            c.batch_execute("ROLLBACK").unwrap();
+        }
+        let mut samples = Vec::new();
+        for _ in 0..6 {
+            let end = started
+                + Duration::from_secs(minute * 60)
+                + Duration::from_secs(10 * (samples.len() as u64 + 1));
+            tokio::time::sleep_until(end.into()).await;
+            let plan = store.explain_claim(100, &Topics::all()).await.unwrap();
+            samples.push(claim_cost(&plan));
+        }
+        let mut lat = std::mem::take(&mut *latencies.lock().unwrap());
+        lat.sort_by(|a, b| a.total_cmp(b));
+        let t: Table = diesel::sql_query(TABLE).get_result(&mut stats).unwrap();
+        let m = Minute {
+            phase,
+            p50: percentile(&lat, 0.50),
+            p99: percentile(&lat, 0.99),
+            claim_ms: median(&samples.iter().map(|s| s.0).collect::<Vec<_>>()),
+            claim_buffers: median(&samples.iter().map(|s| s.1).collect::<Vec<_>>()),
+        };
+        println!(
+            "{:>6} {:<7} {:>10.1} {:>10.1} {:>8.2} {:>13.0} {:>11} {:>8.1} {:>5}",
+            minute + 1,
+            m.phase,
+            m.p50,
+            m.p99,
+            m.claim_ms,
+            m.claim_buffers,
+            t.dead,
+            t.bytes as f64 / 1048576.0,
+            t.depth
+        );
+        minutes.push(m);
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.await.unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while delivered.load(Ordering::Relaxed) < produced.load(Ordering::Relaxed)
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+
+    let of = |phase: &str| {
+        minutes
+            .iter()
+            .filter(|m| m.phase == phase)
+            .collect::<Vec<_>>()
+    };
+    let clean = of("clean");
+    let clean_p99 = median(&clean.iter().map(|m| m.p99).collect::<Vec<_>>());
+    let clean_ms = median(&clean.iter().map(|m| m.claim_ms).collect::<Vec<_>>());
+    let clean_buffers = median(&clean.iter().map(|m| m.claim_buffers).collect::<Vec<_>>());
+    let last = of("pinned").pop().expect("a pinned minute");
+    let back = of("after")
+        .iter()
+        .position(|m| m.p99 <= 2.0 * clean_p99)
+        .map(|i| (i + 1) as f64)
+        .unwrap_or(f64::NAN);
+    let lost = produced.load(Ordering::Relaxed) as i64 - delivered.load(Ordering::Relaxed) as i64;
+    println!("xmin_p99_ratio={:.2}", last.p99 / clean_p99);
+    println!("xmin_claim_ms_ratio={:.2}", last.claim_ms / clean_ms);
+    println!(
+        "xmin_claim_buffers_ratio={:.2}",
+        last.claim_buffers / clean_buffers
+    );
+    println!("xmin_recovered_within_minutes={back}");
+    println!("xmin_produced={}", produced.load(Ordering::Relaxed));
+    println!("xmin_not_delivered={lost}");
+    drop(cluster);
+}
