@@ -26,11 +26,6 @@ struct Id {
     id: i64,
 }
 
-/// The ids `conn`'s claim of `n` returns, in order.
-fn claimed(conn: &mut PgConnection, n: usize) -> Vec<i64> {
-    claimed_by(conn, &claim(n))
-}
-
 /// The ids `sql` returns on `conn`, in order.
 fn claimed_by(conn: &mut PgConnection, sql: &str) -> Vec<i64> {
     let mut ids: Vec<i64> = diesel::sql_query(sql)
