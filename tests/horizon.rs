@@ -154,11 +154,11 @@ fn pinned(claim: fn(usize) -> String, topic_arg: &str, shape: &str) {
 /// session's next claim.
 #[test]
 fn the_floors_never_hide_a_message() {
-    never_hidden(claim);
-    never_hidden(claim_topic);
+    never_hidden(claim, "NULL");
+    never_hidden(claim_topic, "'t'");
 }
 
-fn never_hidden(claim: fn(usize) -> String) {
+fn never_hidden(claim: fn(usize) -> String, topic: &str) {
     let claimed = |conn: &mut PgConnection, n: usize| claimed_by(conn, &claim(n));
     let db = TestDb::migrated();
     let mut relay = db.conn();
@@ -242,8 +242,88 @@ fn never_hidden(claim: fn(usize) -> String) {
         ids(&db, "SELECT id FROM postbox.messages WHERE key = 'odd'"),
         "the unseen priority's message"
     );
+
+    // A claim inside a longer transaction that makes a message available after it (its own
+    // transaction id is not in its snapshot's running list).
+    relay
+        .batch_execute("BEGIN; SELECT pg_current_xact_id()")
+        .unwrap();
+    assert_eq!(claimed(&mut relay, 10).len(), 0);
+    db.exec("INSERT INTO postbox.messages (topic, key) VALUES ('t', 'meanwhile')");
+    assert_eq!(claimed(&mut relay, 10).len(), 1);
+    relay
+        .batch_execute("INSERT INTO postbox.messages (topic, key) VALUES ('t', 'mine'); COMMIT")
+        .unwrap();
+    assert_eq!(
+        claimed(&mut relay, 10),
+        ids(&db, "SELECT id FROM postbox.messages WHERE key = 'mine'"),
+        "the message of the claiming transaction"
+    );
+
+    // Floors from the future (another server's): ignored, and the session's own are kept.
+    db.exec("INSERT INTO postbox.messages (topic, key) VALUES ('t', 'future')");
+    let future = ids(&db, "SELECT id FROM postbox.messages WHERE key = 'future'");
+    assert_eq!(
+        claimed_by(
+            &mut relay,
+            &format!(
+                "SELECT * FROM postbox.claim_ready({topic}, 10, 30, 1, 'x', '900000000000;;0:900000000000')"
+            )
+        ),
+        future
+    );
+
+    // A row copied in with a ready_xid of its own, below the floors: found by the walk from
+    // the front the store asks for now and then ('').
+    db.exec("INSERT INTO postbox.messages (topic, key, ready_xid) VALUES ('t', 'copied', '3')");
+    assert_eq!(claimed(&mut relay, 10).len(), 0);
+    assert_eq!(
+        claimed_by(
+            &mut relay,
+            &format!("SELECT * FROM postbox.claim_ready({topic}, 10, 30, 1, 'x', '')")
+        ),
+        ids(&db, "SELECT id FROM postbox.messages WHERE key = 'copied'")
+    );
     assert_eq!(
         db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE state = 'available'"),
         0
+    );
+}
+
+/// Rows restored from another cluster carry its transaction ids, ahead of this one's: the relay
+/// (and `postbox migrate`), finding the table never analyzed, gives them a ready position of this
+/// cluster, so they do not queue behind every message written here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restored_rows_queue_as_of_the_restore() {
+    let db = TestDb::migrated();
+    db.exec(
+        "ALTER TABLE postbox.messages SET (autovacuum_enabled = false);
+         INSERT INTO postbox.messages (topic, key, ready_xid)
+             SELECT 't', 'restored', '900000000000' FROM generate_series(1, 1500);
+         INSERT INTO postbox.messages (topic, key, state, run_at, ready_xid)
+             VALUES ('t', 'restored later', 'scheduled', now() + interval '1 hour', '900000000000')",
+    );
+    let store = db.store().await;
+    assert_eq!(
+        store.analyze_if_never_analyzed().await.unwrap(),
+        postbox::store::Analyzed::Now
+    );
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.messages
+             WHERE ready_xid > pg_snapshot_xmax(pg_current_snapshot())"
+        ),
+        0
+    );
+    db.exec("INSERT INTO postbox.messages (topic, key) VALUES ('t', 'new')");
+    let mut relay = db.conn();
+    let first = claimed_by(&mut relay, &claim_topic(1500));
+    assert_eq!(
+        first,
+        ids(
+            &db,
+            "SELECT id FROM postbox.messages WHERE key = 'restored'"
+        ),
+        "the restored messages first"
     );
 }

@@ -29,6 +29,13 @@ pub(crate) const HEALTH_CHECK_EVERY: Duration = Duration::from_secs(5);
 /// How long a claim loop waits for its registration to be confirmed before it polls instead.
 const ARM_WAIT: Duration = Duration::from_secs(2);
 
+/// How long the engine stays registered as waiting after a notification while it is busy: it
+/// unregisters (and writers stop notifying) only when it stayed busy that long. Going idle again
+/// within it keeps the registration: without this, an engine woken by every message of a steady
+/// stream would delete and insert its row of `postbox.listeners` for each, and while the xmin
+/// horizon is pinned those dead rows pile up in front of every writer's look at the table.
+const DISARM_AFTER_BUSY: Duration = Duration::from_secs(1);
+
 enum Command {
     /// Register as waiting; answers once the registration committed.
     Arm(oneshot::Sender<bool>),
@@ -88,6 +95,8 @@ impl Notifier {
 
 enum Event {
     Notified,
+    /// Busy since a notification for [`DISARM_AFTER_BUSY`].
+    StillBusy,
     /// Time to look whether writers in progress at registration have ended.
     CheckWriters,
     Lost(String),
@@ -138,6 +147,8 @@ async fn run(
         // to look at them next.
         let mut writers: Vec<i64> = Vec::new();
         let mut check_in = WRITERS_FIRST_CHECK;
+        // When to unregister, if the engine has not asked to wait again by then.
+        let mut disarm_at: Option<tokio::time::Instant> = None;
         loop {
             let event = {
                 let mut stream = std::pin::pin!(conn.notifications_stream());
@@ -149,6 +160,7 @@ async fn run(
                     },
                     c = commands.recv() => Event::Command(c),
                     _ = tokio::time::sleep(check_in), if armed && !writers.is_empty() => Event::CheckWriters,
+                    _ = tokio::time::sleep_until(disarm_at.unwrap_or_else(tokio::time::Instant::now)), if disarm_at.is_some() => Event::StillBusy,
                     _ = tokio::time::sleep(HEALTH_CHECK_EVERY) => Event::HealthCheck,
                     _ = stop.cancelled() => Event::Stop,
                 }
@@ -158,6 +170,13 @@ async fn run(
                 match event {
                     Event::Notified => {
                         shared.wake.notify_one();
+                        if armed && disarm_at.is_none() {
+                            disarm_at = Some(tokio::time::Instant::now() + DISARM_AFTER_BUSY);
+                        }
+                        Ok(())
+                    }
+                    Event::StillBusy => {
+                        disarm_at = None;
                         if armed {
                             armed = false;
                             store::unregister_listener(&mut conn).await
@@ -179,6 +198,8 @@ async fn run(
                     },
                     Event::Lost(e) => Err(crate::Error::Pool(e)),
                     Event::Command(Some(Command::Arm(ack))) => {
+                        // Idle again: stay registered.
+                        disarm_at = None;
                         let r = if armed {
                             Ok(())
                         } else {
@@ -192,6 +213,7 @@ async fn run(
                         r
                     }
                     Event::Command(Some(Command::Disarm)) => {
+                        disarm_at = None;
                         if armed {
                             armed = false;
                             store::unregister_listener(&mut conn).await

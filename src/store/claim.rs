@@ -353,14 +353,56 @@ FROM postbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9)
 const CLAIM_READY: &str = r#"
 SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
        created_at, locked_until, lease_token, last_error, dedup_key,
-       current_setting(postbox.claim_floors_setting($1), true) AS floors
+       CASE WHEN row_number() OVER () = 1
+            THEN current_setting(postbox.claim_floors_setting($1), true) END AS floors
 FROM postbox.claim_ready($1, $2, $3, $4, $5, $6)
 "#;
 
+/// How often a claim walks from the front of the claim order anyway, ignoring its floors: a row
+/// that became available without the trigger (an operator's `UPDATE` with triggers off, a row
+/// copied in with a `ready_xid` of its own) waits for it at most this long.
+const WALK_FROM_THE_FRONT_EVERY: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// The floors of one claim shape, and when it last walked from the front.
+#[derive(Debug, Clone)]
+pub(crate) struct Floors {
+    state: Option<String>,
+    walked: std::time::Instant,
+}
+
+impl Floors {
+    fn new() -> Self {
+        Floors {
+            state: None,
+            walked: std::time::Instant::now(),
+        }
+    }
+}
+
 impl Store {
-    /// The floors this store saw last for the claim of every topic (`None`) or of `topic`.
+    /// The floors to claim from for every topic (`None`) or `topic`: the newest this store saw,
+    /// or `""` (from the front) when that walk is due; `None` when it has none.
     pub(super) fn floors_of(&self, topic: &Option<String>) -> Option<String> {
-        self.floors.lock().ok().and_then(|f| f.get(topic).cloned())
+        let mut all = self.floors.lock().ok()?;
+        let f = all.entry(topic.clone()).or_insert_with(Floors::new);
+        if f.walked.elapsed() >= WALK_FROM_THE_FRONT_EVERY {
+            f.walked = std::time::Instant::now();
+            return Some(String::new());
+        }
+        f.state.clone()
+    }
+
+    /// The newest floors this store saw for every topic (`None`) or `topic`, as they are.
+    pub(super) fn floors_seen(&self, topic: &Option<String>) -> Option<String> {
+        let all = self.floors.lock().ok()?;
+        all.get(topic).and_then(|f| f.state.clone())
+    }
+
+    /// Keeps `state`, the floors a claim left, for the store's other connections.
+    pub(super) fn keep_floors(&self, topic: Option<String>, state: String) {
+        if let Ok(mut all) = self.floors.lock() {
+            all.entry(topic).or_insert_with(Floors::new).state = Some(state);
+        }
     }
 }
 
@@ -401,10 +443,8 @@ impl Store {
                 .bind::<Nullable<Text>, _>(floors)
                 .load(&mut conn)
                 .await?;
-            if let Some(newest) = got.iter().find_map(|r| r.floors.clone())
-                && let Ok(mut f) = self.floors.lock()
-            {
-                f.insert(which, newest);
+            if let Some(newest) = got.iter().find_map(|r| r.floors.clone()) {
+                self.keep_floors(which, newest);
             }
             let mut rows: Vec<ClaimedMessage> = got.into_iter().map(|r| r.message).collect();
             rows.sort_unstable_by_key(|m| (m.priority, m.id));

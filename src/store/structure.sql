@@ -405,7 +405,10 @@ DECLARE
     v_setting text := postbox.claim_floors_setting(p_topic);
     v_state text := current_setting(postbox.claim_floors_setting(p_topic), true);
     v_snap pg_snapshot := pg_current_snapshot();
-    v_running xid8[] := ARRAY(SELECT pg_snapshot_xip(v_snap));
+    -- Running now: this transaction too, if it has an id (a claim inside a longer transaction:
+    -- what it makes available later carries that id).
+    v_running xid8[] := ARRAY(SELECT pg_snapshot_xip(v_snap)
+                              UNION ALL SELECT pg_current_xact_id_if_assigned() WHERE pg_current_xact_id_if_assigned() IS NOT NULL);
     -- Above this, rows of any priority; below, only rows of the pending transactions.
     v_above xid8 := '0';
     v_pending xid8[] := '{}';
@@ -432,10 +435,19 @@ BEGIN
     IF v_batch <= 0 THEN
         RETURN;
     END IF;
-    -- Floors from another session of the same process are as good, and newer ones walk less.
-    IF coalesce(p_floors, '') <> '' AND (coalesce(v_state, '') = ''
+    -- Floors from another session of the same process are as good, and newer ones walk less;
+    -- '' asks for a walk from the front (the store does, now and then: a row written with a
+    -- ready_xid of its own, or by an UPDATE with triggers off, is found then).
+    IF p_floors = '' THEN
+        v_state := NULL;
+    ELSIF p_floors IS NOT NULL AND (coalesce(v_state, '') = ''
             OR split_part(p_floors, ';', 1)::xid8 > split_part(v_state, ';', 1)::xid8) THEN
         v_state := p_floors;
+    END IF;
+    -- Floors from the future are from another server (a restore, a failover to a server whose
+    -- counter is behind): worthless here.
+    IF coalesce(v_state, '') <> '' AND split_part(v_state, ';', 1)::xid8 > pg_snapshot_xmax(v_snap) THEN
+        v_state := NULL;
     END IF;
     IF coalesce(v_state, '') <> '' THEN
         v_above := split_part(v_state, ';', 1)::xid8;
@@ -544,7 +556,11 @@ BEGIN
         IF NOT FOUND OR v_next > pg_snapshot_xmax(v_snap) THEN
             v_next := pg_snapshot_xmax(v_snap);
         END IF;
-        v_out := v_out || (v_priorities[i]::text || ':' || v_next::text);
+        -- Beyond 64 priorities, those with nothing available are forgotten (a later one is found
+        -- again by the look between known priorities).
+        IF cardinality(v_priorities) <= 64 OR v_next < pg_snapshot_xmax(v_snap) THEN
+            v_out := v_out || (v_priorities[i]::text || ':' || v_next::text);
+        END IF;
     END LOOP;
     PERFORM set_config(v_setting,
                        pg_snapshot_xmax(v_snap)::text || ';' || array_to_string(v_running, ',') || ';'
