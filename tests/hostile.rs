@@ -465,7 +465,7 @@ async fn an_engine_whose_claims_keep_failing_gives_no_sign_of_life() {
     let beats = || pulse.0.load(std::sync::atomic::Ordering::SeqCst);
     assert!(eventually(Duration::from_secs(10), || async { beats() > 3 }).await);
     // Every claim now fails on its statement: the loop goes round, but does no work.
-    db.exec("ALTER FUNCTION postbox.claim_topic(text, integer, double precision, bigint, text) RENAME TO claim_topic_gone");
+    db.exec("ALTER FUNCTION postbox.claim_ready(text, integer, double precision, bigint, text, text) RENAME TO claim_ready_gone");
     let failing = beats();
     // Over many poll intervals (and claim retries), no sign of life after the first failure.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -475,7 +475,7 @@ async fn an_engine_whose_claims_keep_failing_gives_no_sign_of_life() {
         "alive {} times while every claim failed",
         after - failing
     );
-    db.exec("ALTER FUNCTION postbox.claim_topic_gone(text, integer, double precision, bigint, text) RENAME TO claim_topic");
+    db.exec("ALTER FUNCTION postbox.claim_ready_gone(text, integer, double precision, bigint, text, text) RENAME TO claim_ready");
     assert!(
         eventually(Duration::from_secs(20), || async { beats() > after + 3 }).await,
         "no sign of life once claims work again"

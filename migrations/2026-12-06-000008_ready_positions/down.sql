@@ -49,6 +49,7 @@ $$;
 DROP FUNCTION postbox.claim_ready(text, integer, double precision, bigint, text, text);
 DROP FUNCTION postbox.claim_floors_setting(text);
 DROP TRIGGER messages_ready ON postbox.messages;
+DROP TRIGGER messages_ready_insert ON postbox.messages;
 DROP FUNCTION postbox.messages_ready();
 DROP INDEX postbox.messages_ready_idx;
 DROP INDEX postbox.messages_ready_topic_idx;

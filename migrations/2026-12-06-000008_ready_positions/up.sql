@@ -36,6 +36,12 @@ $$;
 CREATE TRIGGER messages_ready BEFORE UPDATE ON postbox.messages
     FOR EACH ROW WHEN (NEW.state = 'available')
     EXECUTE FUNCTION postbox.messages_ready();
+-- An insert that names its own ready_xid (a COPY or a restore of the table, rows from another
+-- cluster): the id of the inserting transaction instead, so the floors never pass it by. A plain
+-- insert takes the default, and the trigger does not run.
+CREATE TRIGGER messages_ready_insert BEFORE INSERT ON postbox.messages
+    FOR EACH ROW WHEN (NEW.ready_xid IS DISTINCT FROM pg_current_xact_id())
+    EXECUTE FUNCTION postbox.messages_ready();
 
 CREATE INDEX messages_ready_idx ON postbox.messages ((priority::integer), ready_xid, id)
     WHERE state = 'available';
@@ -98,8 +104,7 @@ BEGIN
         RETURN;
     END IF;
     -- Floors from another session of the same process are as good, and newer ones walk less;
-    -- '' asks for a walk from the front (the store does, now and then: a row written with a
-    -- ready_xid of its own, or by an UPDATE with triggers off, is found then).
+    -- '' asks for a walk from the front.
     IF p_floors = '' THEN
         v_state := NULL;
     ELSIF p_floors IS NOT NULL AND (coalesce(v_state, '') = ''

@@ -23,13 +23,6 @@ const MAY_ANALYZE: &str = "SELECT pg_catalog.pg_has_role(c.relowner, 'USAGE')
     OR (SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user) AS never
     FROM pg_catalog.pg_class c WHERE c.oid = 'postbox.messages'::regclass";
 
-/// Rows restored from another cluster (a `pg_dump` of `postbox.messages`) carry that cluster's
-/// transaction ids in `ready_xid`: ahead of this cluster's, they would queue behind every message
-/// written here until its ids caught up. They get this transaction's id, so they queue as of now
-/// (migration `ready_positions`).
-const RESTORED_READY: &str = "UPDATE postbox.messages SET ready_xid = pg_current_xact_id()
-    WHERE ready_xid > pg_snapshot_xmax(pg_current_snapshot())";
-
 #[derive(QueryableByName)]
 struct Flag {
     #[diesel(sql_type = Bool)]
@@ -50,8 +43,7 @@ pub enum Analyzed {
 impl Store {
     /// Analyzes `postbox.messages` if it was never analyzed and holds 1,000 rows or more (a
     /// sample of 30,000 rows whatever its size; it takes a lock that writers, claims and settles
-    /// do not wait for), first giving rows restored from another cluster a ready position of this
-    /// one (see `RESTORED_READY`). Safe while everything runs.
+    /// do not wait for). Safe while everything runs.
     pub async fn analyze_if_never_analyzed(&self) -> Result<Analyzed> {
         let mut conn = self.conn().await?;
         let never: Flag = diesel::sql_query(NEVER_ANALYZED)
@@ -60,8 +52,6 @@ impl Store {
         if !never.never {
             return Ok(Analyzed::HadStatistics);
         }
-        // A table never analyzed may be a restore: its rows' ready positions first.
-        conn.batch_execute(RESTORED_READY).await?;
         let may: Flag = diesel::sql_query(MAY_ANALYZE).get_result(&mut conn).await?;
         if !may.never {
             return Ok(Analyzed::NotAllowed);

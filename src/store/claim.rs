@@ -358,50 +358,17 @@ SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, ma
 FROM postbox.claim_ready($1, $2, $3, $4, $5, $6)
 "#;
 
-/// How often a claim walks from the front of the claim order anyway, ignoring its floors: a row
-/// that became available without the trigger (an operator's `UPDATE` with triggers off, a row
-/// copied in with a `ready_xid` of its own) waits for it at most this long.
-const WALK_FROM_THE_FRONT_EVERY: std::time::Duration = std::time::Duration::from_secs(300);
-
-/// The floors of one claim shape, and when it last walked from the front.
-#[derive(Debug, Clone)]
-pub(crate) struct Floors {
-    state: Option<String>,
-    walked: std::time::Instant,
-}
-
-impl Floors {
-    fn new() -> Self {
-        Floors {
-            state: None,
-            walked: std::time::Instant::now(),
-        }
-    }
-}
-
 impl Store {
-    /// The floors to claim from for every topic (`None`) or `topic`: the newest this store saw,
-    /// or `""` (from the front) when that walk is due; `None` when it has none.
+    /// The floors to claim from for every topic (`None`) or `topic`: the newest this store saw.
     pub(super) fn floors_of(&self, topic: &Option<String>) -> Option<String> {
-        let mut all = self.floors.lock().ok()?;
-        let f = all.entry(topic.clone()).or_insert_with(Floors::new);
-        if f.walked.elapsed() >= WALK_FROM_THE_FRONT_EVERY {
-            f.walked = std::time::Instant::now();
-            return Some(String::new());
-        }
-        f.state.clone()
-    }
-
-    /// The newest floors this store saw for every topic (`None`) or `topic`, as they are.
-    pub(super) fn floors_seen(&self, topic: &Option<String>) -> Option<String> {
         let all = self.floors.lock().ok()?;
-        all.get(topic).and_then(|f| f.state.clone())
+        all.get(topic).cloned()
     }
 
     /// Keeps `state`, the floors a claim left, for the store's other connections.
     pub(super) fn keep_floors(&self, topic: Option<String>, state: String) {
         if let Ok(mut all) = self.floors.lock() {
-            all.entry(topic).or_insert_with(Floors::new).state = Some(state);
+            all.insert(topic, state);
         }
     }
 }

@@ -304,7 +304,7 @@ impl Store {
             // this store runs it, from the floors it kept (see the migration `ready_positions`);
             // then its scan of the most urgent priority present from the front of its order, as
             // a session with no floors walks it once.
-            let floors = self.floors_seen(&single);
+            let floors = self.floors_of(&single);
             let body = source(&mut conn, CLAIM_READY).await?;
             let (name, vars): (&str, &[&str]) = match single {
                 None => ("every topic", &["v_priority", "v_from", "v_batch - v_got"]),

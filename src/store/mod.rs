@@ -226,8 +226,7 @@ mod pool {
         /// The newest floors of the claim of every topic (`None`) and of each topic claimed by
         /// name, for a connection that has none or older ones (see the migration
         /// `ready_positions`).
-        pub(crate) floors:
-            Arc<std::sync::Mutex<std::collections::HashMap<Option<String>, super::claim::Floors>>>,
+        pub(crate) floors: Arc<std::sync::Mutex<std::collections::HashMap<Option<String>, String>>>,
     }
 
     impl std::fmt::Debug for Store {

@@ -436,8 +436,7 @@ BEGIN
         RETURN;
     END IF;
     -- Floors from another session of the same process are as good, and newer ones walk less;
-    -- '' asks for a walk from the front (the store does, now and then: a row written with a
-    -- ready_xid of its own, or by an UPDATE with triggers off, is found then).
+    -- '' asks for a walk from the front.
     IF p_floors = '' THEN
         v_state := NULL;
     ELSIF p_floors IS NOT NULL AND (coalesce(v_state, '') = ''
@@ -2027,6 +2026,12 @@ CREATE TRIGGER messages_heads_promoted AFTER DELETE ON postbox.messages FOR EACH
 --
 
 CREATE TRIGGER messages_ready BEFORE UPDATE ON postbox.messages FOR EACH ROW WHEN ((new.state = 'available'::postbox.message_state)) EXECUTE FUNCTION postbox.messages_ready();
+
+--
+-- Name: messages messages_ready_insert; Type: TRIGGER; Schema: postbox; Owner: -
+--
+
+CREATE TRIGGER messages_ready_insert BEFORE INSERT ON postbox.messages FOR EACH ROW WHEN ((new.ready_xid IS DISTINCT FROM pg_current_xact_id())) EXECUTE FUNCTION postbox.messages_ready();
 
 --
 -- Name: messages messages_state; Type: TRIGGER; Schema: postbox; Owner: -
