@@ -87,7 +87,8 @@ impl Notifier {
         matches!(tokio::time::timeout(ARM_WAIT, answer).await, Ok(Ok(true)))
     }
 
-    /// Unregisters, without waiting.
+    /// Unregisters if the engine stays busy for [`DISARM_AFTER_BUSY`] (asking to wait again
+    /// sooner keeps the registration), without waiting.
     pub(crate) fn disarm(&self) {
         let _ = self.commands.try_send(Command::Disarm);
     }
@@ -213,13 +214,11 @@ async fn run(
                         r
                     }
                     Event::Command(Some(Command::Disarm)) => {
-                        disarm_at = None;
-                        if armed {
-                            armed = false;
-                            store::unregister_listener(&mut conn).await
-                        } else {
-                            Ok(())
+                        // Busy: unregistered if it stays so (see DISARM_AFTER_BUSY).
+                        if armed && disarm_at.is_none() {
+                            disarm_at = Some(tokio::time::Instant::now() + DISARM_AFTER_BUSY);
                         }
+                        Ok(())
                     }
                     Event::HealthCheck => conn.batch_execute("SELECT 1").await.map_err(Into::into),
                     Event::Command(None) | Event::Stop => {
