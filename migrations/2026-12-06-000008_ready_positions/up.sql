@@ -7,9 +7,9 @@
 -- went from 70 buffers to 26,400 after 11 minutes of a pin at 800 messages a second.
 --
 -- So a row now records the transaction that made it available (ready_xid: the inserting
--- transaction, or the one that promoted, retried, rescued or released it), and the claim of every
--- topic walks the index in (priority, ready_xid, id) from a floor per priority it keeps between
--- claims in its session: below the floor there is nothing available, whatever commits later,
+-- transaction, or the one that promoted, retried, rescued or released it), and the claims of every
+-- topic and of one topic named exactly walk the index in (priority, ready_xid, id) from a floor per
+-- priority they keep between claims in their session: below the floor there is nothing available, whatever commits later,
 -- because any transaction that commits later either was running when the floor was set (its id is
 -- kept in the list of pending ones and looked at again) or started after (its id is above the
 -- floor). Nothing to vacuum, no lock: the entries below the floor are simply never visited.
