@@ -93,6 +93,11 @@ fn pinned(claim: fn(usize) -> String, topic_arg: &str, shape: &str) {
         let mut pin = db.conn();
         pin.batch_execute(pin_sql).unwrap();
         let mut relay = db.conn();
+        // Another long transaction with an id (any database's counts), which ends just before
+        // the claim measured: its rows are looked up by its id, not by a walk from it.
+        let mut long = db.conn();
+        long.batch_execute("BEGIN; SELECT pg_current_xact_id()")
+            .unwrap();
         for _ in 0..40 {
             db.exec(
                 "INSERT INTO postbox.messages (topic) SELECT 't' FROM generate_series(1, 500) g",
@@ -103,6 +108,7 @@ fn pinned(claim: fn(usize) -> String, topic_arg: &str, shape: &str) {
                 .unwrap();
         }
         db.exec("VACUUM postbox.messages");
+        long.batch_execute("COMMIT").unwrap();
         db.exec("INSERT INTO postbox.messages (topic) SELECT 't' FROM generate_series(1, 100) g");
         let warm = entries_read(&mut relay, &claim(100));
         let cold = entries_read(&mut db.conn(), &claim(100));

@@ -429,6 +429,11 @@ DECLARE
     v_order integer[];
     v_known integer[];
     v_next xid8;
+    v_probed xid8;
+    -- The pending transactions that ended since: their rows are looked up by their ids alone (a
+    -- walk from the oldest of them would visit everything since it began, and it may be any
+    -- long transaction of the cluster).
+    v_ended_all xid8[];
     v_out text[] := '{}';
     i integer;
 BEGIN
@@ -456,7 +461,8 @@ BEGIN
             v_floors := v_floors || split_part(v_pair, ':', 2)::xid8;
         END LOOP;
     END IF;
-    v_ended := (SELECT min(x) FROM unnest(v_pending) AS u(x) WHERE NOT x = ANY(v_running));
+    v_ended_all := ARRAY(SELECT x FROM unnest(v_pending) AS u(x) WHERE NOT x = ANY(v_running));
+    v_ended := (SELECT min(x) FROM unnest(v_ended_all) AS u(x));
     -- Priorities not known yet: between the known ones, what is above v_above (or from a pending
     -- transaction that ended). One descent per gap when there is none.
     v_from := least(v_above, v_ended);
@@ -494,7 +500,24 @@ BEGIN
     FOREACH i IN ARRAY v_order LOOP
         EXIT WHEN v_got >= v_batch;
         v_priority := v_priorities[i];
-        v_from := least(v_floors[i], v_ended);
+        v_from := v_floors[i];
+        IF cardinality(v_ended_all) > 0 THEN
+            -- The rows of the pending transactions that ended, by their ids.
+            -- (One equality per id, so the index is entered at each: a condition "= ANY" on
+            -- its second column is planned as a filter over everything below.)
+            SELECT array_agg(c.id)
+            INTO v_more
+            FROM unnest(v_ended_all) AS e(x),
+                 LATERAL (SELECT m.id FROM postbox.messages m
+                          WHERE m.state = 'available' AND m.priority::integer = v_priority
+                            AND m.ready_xid = e.x AND m.ready_xid < v_from
+                            AND (p_topic IS NULL OR m.topic = p_topic)
+                          LIMIT v_batch - v_got
+                          FOR NO KEY UPDATE SKIP LOCKED) c;
+            v_ids := v_ids || coalesce(v_more[1:v_batch - v_got], '{}');
+            v_got := cardinality(v_ids);
+            EXIT WHEN v_got >= v_batch;
+        END IF;
         IF p_topic IS NULL THEN
             -- explain: every topic
             SELECT array_agg(c.id), count(*)
@@ -535,7 +558,18 @@ BEGIN
     -- at least what v_snap saw), else the snapshot's end; what was running at v_snap is pending.
     FOREACH i IN ARRAY v_order LOOP
         v_priority := v_priorities[i];
-        v_from := least(v_floors[i], v_ended);
+        v_from := v_floors[i];
+        v_probed := NULL;
+        IF cardinality(v_ended_all) > 0 THEN
+            SELECT min(c.ready_xid)
+            INTO v_probed
+            FROM unnest(v_ended_all) AS e(x),
+                 LATERAL (SELECT m.ready_xid FROM postbox.messages m
+                          WHERE m.state = 'available' AND m.priority::integer = v_priority
+                            AND m.ready_xid = e.x AND m.ready_xid < v_from
+                            AND (p_topic IS NULL OR m.topic = p_topic)
+                          LIMIT 1) c;
+        END IF;
         IF p_topic IS NULL THEN
             -- explain: a floor
             SELECT m.ready_xid
@@ -555,6 +589,7 @@ BEGIN
         IF NOT FOUND OR v_next > pg_snapshot_xmax(v_snap) THEN
             v_next := pg_snapshot_xmax(v_snap);
         END IF;
+        v_next := least(v_next, v_probed);
         -- Beyond 64 priorities, those with nothing available are forgotten (a later one is found
         -- again by the look between known priorities).
         IF cardinality(v_priorities) <= 64 OR v_next < pg_snapshot_xmax(v_snap) THEN
