@@ -745,6 +745,7 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
         "INSERT INTO postbox.messages (topic, key, ordered) VALUES ('o', 'k', true), ('o', 'k', true);
          INSERT INTO postbox.messages (topic, run_at) VALUES ('a', now() + interval '1 hour')",
     );
+    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // stream slot guard
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // ready positions
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // publish checks the publication
     conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // dead letter stream header

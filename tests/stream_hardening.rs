@@ -482,3 +482,132 @@ fn a_backlog_of_large_messages_streams_within_the_payload_budget() {
         peak / 1024 / 1024
     );
 }
+
+/// The slot gap a relay reports, as its metric says it (bytes; 0 or absent when none).
+fn gap_bytes(relay: &Relay) -> f64 {
+    relay.metric("postbox_stream_slot_gap_bytes").unwrap_or(0.0)
+}
+
+/// A slot dropped and created again under the same name by hand while no relay ran starts at the
+/// server's position of that moment: what was published between the last position a relay
+/// confirmed and that moment was never streamed. The next relay says so with the range, and
+/// `stream status` and a metric keep saying it until `stream setup`. A kill -9, a crash of
+/// PostgreSQL and the confirmations of an idle stream (another database written) raise no report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_created_again_by_hand_is_reported_with_the_range_never_streamed() {
+    let server = logical();
+    let db = stream_db(&server).await;
+    let slot_position = || {
+        db.scalar("SELECT (confirmed_flush_lsn - '0/0')::bigint AS v FROM pg_replication_slots WHERE slot_name = 'postbox'")
+    };
+    let mut relay = Relay::start(&db.url, REV_ONLY);
+    publish(&db, "rev.a", 1);
+    assert!(
+        relay.wait_lines(1, Duration::from_secs(30)),
+        "{}",
+        relay.log()
+    );
+    // Idle: another database's WAL moves the server's position, and the relay confirms it.
+    db.exec("CREATE DATABASE other");
+    let mut other = {
+        use diesel::Connection;
+        diesel::PgConnection::establish(&server.url("other")).unwrap()
+    };
+    {
+        use diesel::connection::SimpleConnection;
+        other
+            .batch_execute(
+                "CREATE TABLE busy AS SELECT repeat('x', 1000) AS x FROM generate_series(1, 5000)",
+            )
+            .unwrap();
+    }
+    let written = db.scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint AS v");
+    assert!(
+        wait(Duration::from_secs(30), || slot_position() >= written),
+        "the idle slot does not advance: {} < {written}\n{}",
+        slot_position(),
+        relay.log()
+    );
+    relay.kill();
+    let no_gap = |relay: &Relay, what: &str| {
+        assert!(
+            !relay.log().contains("may never have been streamed"),
+            "{what}: {}",
+            relay.log()
+        );
+        assert_eq!(gap_bytes(relay), 0.0, "{what}");
+        let status = cli(&db, &["stream", "status"]);
+        assert!(
+            status.status.success(),
+            "{what}: {}",
+            String::from_utf8_lossy(&status.stdout)
+        );
+    };
+    // After a kill -9 and after a crash of PostgreSQL, the same slot goes on: no report.
+    let relay = Relay::start(&db.url, REV_ONLY);
+    publish(&db, "rev.a", 2);
+    assert!(
+        relay.wait_lines(1, Duration::from_secs(30)),
+        "{}",
+        relay.log()
+    );
+    no_gap(&relay, "after a kill -9");
+    server.stop("immediate");
+    server.start_again();
+    publish(&db, "rev.a", 3);
+    assert!(
+        wait(Duration::from_secs(60), || relay
+            .lines()
+            .iter()
+            .any(|l| l["payload"]["n"] == 3)),
+        "{}",
+        relay.log()
+    );
+    no_gap(&relay, "after a crash of PostgreSQL");
+    drop(relay);
+    // Dropped and created again by hand while no relay runs: message 4 is never streamed.
+    let before = db.scalar("SELECT (confirmed_flush_lsn - '0/0')::bigint AS v FROM pg_replication_slots WHERE slot_name = 'postbox'");
+    publish(&db, "rev.a", 4);
+    db.exec("SELECT pg_drop_replication_slot('postbox')");
+    db.exec("SELECT 1 FROM pg_create_logical_replication_slot('postbox', 'pgoutput')");
+    publish(&db, "rev.a", 5);
+    let relay = Relay::start(&db.url, REV_ONLY);
+    assert!(
+        relay.wait_lines(1, Duration::from_secs(30)),
+        "{}",
+        relay.log()
+    );
+    assert_eq!(relay.lines()[0]["payload"]["n"], 5);
+    assert!(
+        relay.log().contains("may never have been streamed"),
+        "{}",
+        relay.log()
+    );
+    assert!(
+        wait(Duration::from_secs(10), || gap_bytes(&relay) > 0.0),
+        "{}",
+        relay.log()
+    );
+    let status = cli(&db, &["stream", "status"]);
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(!status.status.success() && text.contains("GAP"), "{text}");
+    // The range starts at or before the last position confirmed to the old slot.
+    let from = db.scalar(
+        "SELECT (gap_from - '0/0')::bigint AS v FROM postbox.stream_slots WHERE slot_name = 'postbox'",
+    );
+    assert!(from <= before, "{from} > {before}");
+    // `stream setup` is the operator's acknowledgement: the report ends there.
+    assert!(cli(&db, &["stream", "setup"]).status.success());
+    assert!(cli(&db, &["stream", "status"]).status.success());
+    assert!(
+        wait(Duration::from_secs(20), || gap_bytes(&relay) == 0.0),
+        "{}",
+        relay.log()
+    );
+    publish(&db, "rev.a", 6);
+    assert!(
+        relay.wait_lines(2, Duration::from_secs(30)),
+        "{}",
+        relay.log()
+    );
+}

@@ -23,6 +23,7 @@ pub(super) struct StreamMetrics {
     retained_bytes: GaugeVec,
     safe_wal_size: GaugeVec,
     wal_status: GaugeVec,
+    gap_bytes: GaugeVec,
     stalled: Gauge,
     /// Since when the batch being delivered has waited.
     #[cfg_attr(not(feature = "stream"), allow(dead_code))]
@@ -98,6 +99,12 @@ impl StreamMetrics {
                 "1 for the slot's current wal_status (reserved, extended, unreserved, lost; missing: the slot was dropped).",
                 &["slot", "status"],
             ),
+            gap_bytes: gauge_vec(
+                r,
+                "postbox_stream_slot_gap_bytes",
+                "Bytes of WAL that may never have been streamed: the slot was found confirmed past the last position postbox recorded (created again by hand under the same name, advanced, or streamed by another program); 0 once `postbox stream setup` acknowledged it.",
+                &["slot"],
+            ),
             stalled: gauge(
                 r,
                 "postbox_stream_stalled_seconds",
@@ -140,6 +147,9 @@ impl Metrics {
                     .with_label_values(&[name, st])
                     .set(f64::from(u8::from(st == now)));
             }
+            s.gap_bytes
+                .with_label_values(&[name])
+                .set(slot.gap_bytes.map_or(0.0, |b| b.max(1) as f64));
             if slot.is_lost() {
                 s.slot_lost.set(1.0);
             }

@@ -15,7 +15,8 @@ use crate::store::{Store, StreamSlot};
 pub enum StreamCommand {
     /// Create the publication and the replication slot, and register them so `publish` accepts
     /// messages (needs the REPLICATION attribute). Safe to run again; replaces a lost slot and
-    /// says which range of the WAL was never delivered.
+    /// says which range of the WAL was never delivered; acknowledges a range a relay reported as
+    /// possibly never streamed (a slot created again by hand).
     Setup,
     /// The slots: streamed or not, WAL status, lag, WAL kept on the server's disk.
     Status {
@@ -46,6 +47,11 @@ pub(super) fn text(slot: &StreamSlot) -> String {
         "LOST (the server removed WAL it had not delivered)".to_owned()
     } else if !slot.publication_exists {
         "BROKEN (its publication is missing: no relay can stream, publish refuses; `postbox stream setup` creates it)".to_owned()
+    } else if let Some(gap) = &slot.gap {
+        format!(
+            "GAP: it was found confirmed past the last position postbox recorded (created again by hand, advanced, or streamed by another program): messages published in {gap} may never have been streamed; `postbox stream setup` acknowledges this{}",
+            if slot.active { ", streaming" } else { "" }
+        )
     } else if slot.active {
         format!(
             "streaming (server pid {})",
@@ -78,6 +84,7 @@ pub(super) fn slot_json(s: &StreamSlot) -> serde_json::Value {
         "current_lsn": s.current_lsn, "lag_bytes": s.lag_bytes,
         "retained_bytes": s.retained_bytes, "lost": s.is_lost(),
         "publication_exists": s.publication_exists, "broken": s.is_broken(),
+        "gap": s.gap, "gap_bytes": s.gap_bytes,
     })
 }
 
@@ -91,6 +98,12 @@ pub async fn run(settings: &Settings, command: StreamCommand) -> Result<()> {
                 .stream_setup(&s.slot, &s.publication)
                 .await
                 .map_err(setup_error)?;
+            if let Some(range) = &done.acknowledged_gap {
+                eprintln!(
+                    "slot {}: acknowledged the range {range} a relay reported as possibly never streamed (the slot had been created again or advanced behind postbox's back); no longer reported",
+                    s.slot
+                );
+            }
             if let Some(range) = &done.replaced_lost {
                 eprintln!(
                     "slot {} was lost: messages published in {range} were never delivered; a new slot streams from now on",
@@ -135,6 +148,11 @@ pub async fn run(settings: &Settings, command: StreamCommand) -> Result<()> {
             if broken {
                 return Err(RelayError::Runtime(anyhow::anyhow!(
                     "a stream slot's publication is missing: run `postbox stream setup` to create it"
+                )));
+            }
+            if slots.iter().any(|s| s.gap.is_some()) {
+                return Err(RelayError::Runtime(anyhow::anyhow!(
+                    "a stream slot has a range that may never have been streamed: see its GAP line; `postbox stream setup` acknowledges it"
                 )));
             }
         }

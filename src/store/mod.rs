@@ -149,6 +149,8 @@ mod stats;
 pub mod storable;
 #[cfg(feature = "async")]
 mod stream;
+#[cfg(feature = "async")]
+mod stream_guard;
 
 #[cfg(feature = "async")]
 pub use self::{
@@ -170,6 +172,7 @@ pub use self::{
         EXACT_LIMIT, SAMPLE_ROWS, SampleRow, StalledKey, Stats, TOPIC_EXACT_LIMIT, TopicStats,
     },
     stream::{StreamSetup, StreamSlot, check_slot_name, stream_session_alive},
+    stream_guard::Recorded,
 };
 
 #[cfg(feature = "cron")]

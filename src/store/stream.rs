@@ -54,6 +54,14 @@ pub struct StreamSlot {
     /// table change it decodes: nothing is delivered).
     #[diesel(sql_type = Bool)]
     pub publication_exists: bool,
+    /// A range of the WAL that may never have been streamed: the slot was found confirmed past
+    /// the limit postbox's relays recorded (created again by hand under the same name, advanced
+    /// by hand, or streamed by another program). Reported until `postbox stream setup`.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub gap: Option<String>,
+    /// The bytes of WAL in [`gap`](Self::gap).
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub gap_bytes: Option<i64>,
 }
 
 impl StreamSlot {
@@ -80,7 +88,10 @@ SELECT r.slot_name, r.publication, s.slot_name IS NOT NULL AS exists,
                  AND (o.database IS DISTINCT FROM current_database() OR o.slot_type <> 'logical'))
            AS name_taken,
        EXISTS (SELECT 1 FROM pg_catalog.pg_publication p WHERE p.pubname = r.publication)
-           AS publication_exists
+           AS publication_exists,
+       r.gap_from::text || '..' || r.gap_to::text || ' (found '
+           || to_char(r.gap_found_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS') || ' UTC)' AS gap,
+       (r.gap_to - r.gap_from)::bigint AS gap_bytes
 FROM postbox.stream_slots r
 LEFT JOIN pg_catalog.pg_replication_slots s
        ON s.slot_name = r.slot_name AND s.database = current_database()
@@ -97,6 +108,9 @@ pub struct StreamSetup {
     /// The slot replaced was lost: what was published after its confirmed position, up to this
     /// setup, was never delivered (the range, `from..to`).
     pub replaced_lost: Option<String>,
+    /// A range a relay reported as possibly never streamed (the slot was found confirmed past
+    /// postbox's record: created again by hand), acknowledged by this setup: no longer reported.
+    pub acknowledged_gap: Option<String>,
 }
 
 #[derive(QueryableByName)]
@@ -195,7 +209,8 @@ impl Store {
     /// messages are streamed) and the slot, registered so that `publish` accepts messages. Safe
     /// to run again. A slot that was lost (or dropped behind postbox's back) is replaced, and
     /// the report says which range of the WAL was never delivered: this is the explicit operator
-    /// command a lost slot waits for.
+    /// command a lost slot waits for. A range a relay reported as possibly never streamed (the
+    /// slot was created again by hand) is acknowledged: no longer reported.
     pub async fn stream_setup(&self, slot: &str, publication: &str) -> Result<StreamSetup> {
         check_slot_name("stream.slot", slot)?;
         check_slot_name("stream.publication", publication)?;
@@ -476,6 +491,7 @@ async fn setup_slot(
         .await?;
     let registered = <[StreamSlot]>::first(&registered);
     let lost = found.as_ref().is_some_and(|f| f.lost) || (registered.is_some() && found.is_none());
+    report.acknowledged_gap = registered.and_then(|r| r.gap.clone());
     if lost {
         let from = found
             .as_ref()
@@ -528,7 +544,9 @@ async fn setup_slot(
     }
     diesel::sql_query(
         "INSERT INTO postbox.stream_slots (slot_name, publication) VALUES ($1, $2)
-         ON CONFLICT (slot_name) DO UPDATE SET publication = EXCLUDED.publication",
+         ON CONFLICT (slot_name) DO UPDATE
+             SET publication = EXCLUDED.publication,
+                 gap_from = NULL, gap_to = NULL, gap_found_at = NULL",
     )
     .bind::<Text, _>(slot)
     .bind::<Text, _>(publication)

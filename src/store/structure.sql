@@ -1842,8 +1842,43 @@ CREATE TABLE postbox.schedules (
 CREATE TABLE postbox.stream_slots (
     slot_name text NOT NULL,
     publication text NOT NULL,
-    created_at timestamp with time zone DEFAULT now() NOT NULL
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    confirm_limit pg_lsn,
+    confirmed_before pg_lsn,
+    gap_from pg_lsn,
+    gap_to pg_lsn,
+    gap_found_at timestamp with time zone
 );
+
+--
+-- Name: COLUMN stream_slots.confirm_limit; Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON COLUMN postbox.stream_slots.confirm_limit IS 'postbox: a relay confirms the slot up to here at most (recorded before it confirms past it)';
+
+--
+-- Name: COLUMN stream_slots.confirmed_before; Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON COLUMN postbox.stream_slots.confirmed_before IS 'postbox: the position a relay had confirmed when it recorded confirm_limit';
+
+--
+-- Name: COLUMN stream_slots.gap_from; Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON COLUMN postbox.stream_slots.gap_from IS 'postbox: a slot found past confirm_limit: what was published from here to gap_to may never have been streamed (until stream setup)';
+
+--
+-- Name: COLUMN stream_slots.gap_to; Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON COLUMN postbox.stream_slots.gap_to IS 'postbox: the end of the range that may never have been streamed (the slot''s position when found)';
+
+--
+-- Name: COLUMN stream_slots.gap_found_at; Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON COLUMN postbox.stream_slots.gap_found_at IS 'postbox: when a relay found the slot past confirm_limit';
 
 --
 -- Name: turns; Type: TABLE; Schema: postbox; Owner: -

@@ -14,6 +14,8 @@ mod connect;
 #[cfg(feature = "stream")]
 mod deliver;
 pub mod encoding;
+#[cfg(feature = "stream")]
+mod guard;
 mod publish;
 #[cfg(feature = "stream")]
 mod relay;

@@ -128,6 +128,25 @@ impl Streamer {
         }
     }
 
+    /// Says loudly, once, that the slot was found confirmed past the limit this slot's relays
+    /// recorded: created again by hand under the same name (or advanced, or streamed by another
+    /// program); what was published in the range may never have been streamed. The range stays
+    /// in `postbox stream status` and `postbox_stream_slot_gap_bytes` until `postbox stream setup`.
+    async fn find_gap(&self) {
+        match self.store.stream_find_gap(&self.config.slot).await {
+            Ok(Some((from, to))) => tracing::error!(
+                slot = %self.config.slot,
+                %from,
+                %to,
+                "stream: the slot was confirmed past the last position postbox recorded for it: it was dropped and created again by hand under the same name (or advanced, or streamed by another program); messages published from {from} to {to} may never have been streamed, and cannot be now; streaming goes on from the slot's position; `postbox stream setup` acknowledges this report"
+            ),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, "stream: cannot check the slot against its recorded limit")
+            }
+        }
+    }
+
     /// Streams until `stop`, reconnecting after a broken session and waiting while another relay
     /// holds the slot. Returns an error only for what a restart cannot fix (a lost slot, a server
     /// without logical decoding).
@@ -162,6 +181,9 @@ impl Streamer {
         // only when it changes, or every few minutes).
         let mut broken = Broken::default();
         let mut lost_said = false;
+        // What this relay confirms, held to a limit recorded first (a slot created again by
+        // hand is told from this one by it).
+        let mut guard = super::guard::Guard::new(self.store.clone(), self.config.slot.clone());
         while !stop.is_cancelled() {
             self.observe(|o| o.stream_alive());
             match self.ensure_slot().await {
@@ -171,6 +193,7 @@ impl Streamer {
                         lost_said = false;
                     }
                     self.observe(|o| o.stream_slot_ready());
+                    self.find_gap().await;
                 }
                 // Lost or dropped: said once, loudly; only `postbox stream setup` replaces it,
                 // and this relay streams the new slot as soon as it exists.
@@ -296,6 +319,7 @@ impl Streamer {
                     &hard_stop,
                     &mut report,
                     recovering,
+                    &mut guard,
                 )
                 .await;
             self.observe(|o| o.stream_active(false));
@@ -308,6 +332,9 @@ impl Streamer {
                     // Let the last confirmed position reach the server before the session ends,
                     // so the next start does not stream again what was delivered.
                     let polite = async {
+                        guard
+                            .settle(&client, &mut report, Duration::from_secs(2))
+                            .await;
                         let deadline = self.config.status_interval * 3 + Duration::from_secs(2);
                         let since = std::time::Instant::now();
                         while client.feedback_pending_since().is_some()

@@ -10,9 +10,11 @@ use tokio_util::sync::CancellationToken;
 use super::StreamReport;
 use super::deliver::{Delivered, Item, NOT_TRANSACTIONAL, Route, Stopped, deliver};
 use super::encoding::{Encoded, PREFIX};
-use super::relay::{Ended, HEALTHY_SESSION, Streamer, lsn_text, pg_time, stream_id};
+use super::guard::{Confirm, Guard};
+use super::relay::{Ended, HEALTHY_SESSION, Streamer, pg_time, stream_id};
 
 impl Streamer {
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn session(
         &self,
         client: &mut ReplicationClient,
@@ -21,7 +23,9 @@ impl Streamer {
         hard_stop: &CancellationToken,
         report: &mut StreamReport,
         recovering: Option<std::time::Instant>,
+        guard: &mut Guard,
     ) -> Ended {
+        guard.session_started();
         // Cancelled when the replication session ends: a batch still being delivered then stops
         // (another relay may stream the slot by now).
         let lost = CancellationToken::new();
@@ -37,6 +41,7 @@ impl Streamer {
                 &lost,
                 &mut in_flight,
                 recovering,
+                guard,
             )
             .await;
         lost.cancel();
@@ -82,6 +87,7 @@ impl Streamer {
         lost: &CancellationToken,
         in_flight: &mut Option<InFlight>,
         recovering: Option<std::time::Instant>,
+        guard: &mut Guard,
     ) -> Ended {
         const LINGER: Duration = Duration::from_millis(2);
         // Once this session goes somewhere, the relay streams again (see `broken`).
@@ -109,27 +115,32 @@ impl Streamer {
                     if let Some(mut f) = in_flight.take()
                         && let Some(done) = self.finish_in_time(&mut f, hard_stop).await
                     {
-                        let _ = self.settled(done, f.confirm_at, client, report);
+                        let _ = self.settled(done, f.confirm_at, client, report, guard);
                     }
                     return Ended::Stopped;
                 }
                 done = async { (&mut in_flight.as_mut().expect("guarded").task).await }, if in_flight.is_some() => {
                     let confirm_at = in_flight.take().expect("guarded").confirm_at;
-                    if let Err(e) = self.settled(done, confirm_at, client, report) {
+                    if let Err(e) = self.settled(done, confirm_at, client, report, guard) {
                         return e;
                     }
                     // What was read meanwhile goes now: under load, batches fill while the one
                     // before them is delivered; when quiet, a message waits for nothing.
                     if !batch.items.is_empty()
-                        && let Err(e) = self.flush(&mut batch, in_flight, client, stop, hard_stop, lost, report).await
+                        && let Err(e) = self.flush(&mut batch, in_flight, client, stop, hard_stop, lost, report, guard).await
                     {
                         return e;
                     }
                     continue;
                 }
+                // A record of the confirmation limit ended: confirm what it allows.
+                done = guard.wait(), if guard.recording() => {
+                    guard.recorded(done, client, report);
+                    continue;
+                }
                 e = client.recv() => e,
                 _ = tokio::time::sleep(LINGER), if !batch.items.is_empty() && in_flight.is_none() => {
-                    if let Err(e) = self.flush(&mut batch, in_flight, client, stop, hard_stop, lost, report).await {
+                    if let Err(e) = self.flush(&mut batch, in_flight, client, stop, hard_stop, lost, report, guard).await {
                         return e;
                     }
                     continue;
@@ -200,7 +211,9 @@ impl Streamer {
                     if (batch.items.len() >= self.config.batch_size
                         || batch.bytes >= self.config.batch_bytes())
                         && let Err(e) = self
-                            .flush(&mut batch, in_flight, client, stop, hard_stop, lost, report)
+                            .flush(
+                                &mut batch, in_flight, client, stop, hard_stop, lost, report, guard,
+                            )
                             .await
                     {
                         return e;
@@ -212,7 +225,10 @@ impl Streamer {
                         batch.confirm_at = Some(end_lsn);
                         if in_flight.is_none()
                             && let Err(e) = self
-                                .flush(&mut batch, in_flight, client, stop, hard_stop, lost, report)
+                                .flush(
+                                    &mut batch, in_flight, client, stop, hard_stop, lost, report,
+                                    guard,
+                                )
                                 .await
                         {
                             return e;
@@ -221,7 +237,7 @@ impl Streamer {
                         // Its messages (if any) are in the batch being delivered.
                         f.confirm_at = Some(end_lsn);
                     } else {
-                        confirm(client, end_lsn, report);
+                        guard.confirm(client, end_lsn, Confirm::Passed, report);
                     }
                 }
                 // Nothing is in flight: everything before the server's position is delivered
@@ -229,7 +245,7 @@ impl Streamer {
                 ReplicationEvent::KeepAlive { wal_end, .. }
                     if batch.items.is_empty() && tx.is_none() && in_flight.is_none() =>
                 {
-                    confirm_idle(client, wal_end, report);
+                    guard.confirm(client, wal_end, Confirm::Idle, report);
                 }
                 ReplicationEvent::StoppedAt { .. } => return Ended::Stopped,
                 _ => {}
@@ -249,18 +265,19 @@ impl Streamer {
         hard_stop: &CancellationToken,
         lost: &CancellationToken,
         report: &mut StreamReport,
+        guard: &mut Guard,
     ) -> Result<(), Ended> {
         if let Some(mut f) = in_flight.take() {
             let done = tokio::select! {
                 done = &mut f.task => done,
                 _ = stop.cancelled() => {
                     if let Some(done) = self.finish_in_time(&mut f, hard_stop).await {
-                        let _ = self.settled(done, f.confirm_at, client, report);
+                        let _ = self.settled(done, f.confirm_at, client, report, guard);
                     }
                     return Err(Ended::Stopped);
                 }
             };
-            self.settled(done, f.confirm_at, client, report)?;
+            self.settled(done, f.confirm_at, client, report, guard)?;
         }
         let Batch {
             items, confirm_at, ..
@@ -288,6 +305,7 @@ impl Streamer {
         confirm_at: Option<Lsn>,
         client: &ReplicationClient,
         report: &mut StreamReport,
+        guard: &mut Guard,
     ) -> Result<(), Ended> {
         let done = match done {
             Ok(Ok(d)) => d,
@@ -306,7 +324,7 @@ impl Streamer {
             o.stream_delivered(done)
         });
         if let Some(l) = confirm_at {
-            confirm(client, l, report);
+            guard.confirm(client, l, Confirm::Delivered, report);
         }
         Ok(())
     }
@@ -332,18 +350,4 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.task.abort();
     }
-}
-
-fn confirm(client: &ReplicationClient, lsn: Lsn, report: &mut StreamReport) {
-    report.progress += 1;
-    confirm_idle(client, lsn, report);
-}
-
-/// [`confirm`] of a keepalive's position: not progress of the stream's own.
-fn confirm_idle(client: &ReplicationClient, lsn: Lsn, report: &mut StreamReport) {
-    if lsn.0 == 0 {
-        return;
-    }
-    client.update_applied_lsn(lsn);
-    report.confirmed = Some(lsn_text(lsn));
 }
