@@ -610,4 +610,88 @@ async fn a_slot_created_again_by_hand_is_reported_with_the_range_never_streamed(
         "{}",
         relay.log()
     );
+    drop(relay);
+    let acknowledged = |what: &str| {
+        assert!(cli(&db, &["stream", "setup"]).status.success(), "{what}");
+        assert!(cli(&db, &["stream", "status"]).status.success(), "{what}");
+    };
+    let reports = |relay: &Relay| relay.log().matches("may never have been streamed").count();
+    // Advanced by hand while no relay runs, past what was published meanwhile.
+    publish(&db, "rev.a", 7);
+    db.exec("SELECT 1 FROM pg_replication_slot_advance('postbox', pg_current_wal_lsn())");
+    publish(&db, "rev.a", 8);
+    let relay = Relay::start(&db.url, REV_ONLY);
+    assert!(
+        relay.wait_lines(1, Duration::from_secs(30)),
+        "{}",
+        relay.log()
+    );
+    assert_eq!(relay.lines()[0]["payload"]["n"], 8);
+    assert_eq!(reports(&relay), 1, "advanced: {}", relay.log());
+    acknowledged("advanced");
+    // Idle, with a little WAL written elsewhere (less than the slack): nothing is recorded (each
+    // record writes WAL that the next keepalive would report: recording each would never end).
+    let limit = || {
+        db.scalar("SELECT (confirm_limit - '0/0')::bigint AS v FROM postbox.stream_slots WHERE slot_name = 'postbox'")
+    };
+    // What was delivered is recorded first (the record follows a delivery by up to 50 ms).
+    let delivered = db.scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint AS v");
+    assert!(
+        wait(Duration::from_secs(10), || limit() >= delivered - 1024),
+        "{} < {delivered}",
+        limit()
+    );
+    let idle = limit();
+    {
+        use diesel::Connection;
+        use diesel::connection::SimpleConnection;
+        // A connection of now: the server restarted since the first.
+        let mut other = diesel::PgConnection::establish(&server.url("other")).unwrap();
+        for _ in 0..20 {
+            other
+                .batch_execute("INSERT INTO busy VALUES ('x')")
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(150));
+        }
+    }
+    assert_eq!(limit(), idle, "an idle relay recorded again");
+    // Dropped and created again while the relay streams: found at its next record.
+    let dropped = (0..100).any(|_| {
+        use diesel::RunQueryDsl;
+        let mut c = db.conn();
+        let _ = diesel::sql_query("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = 'postbox' AND active_pid IS NOT NULL").execute(&mut c);
+        let ok = diesel::sql_query("SELECT pg_drop_replication_slot('postbox')")
+            .execute(&mut c)
+            .is_ok();
+        if !ok {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        ok
+    });
+    assert!(dropped, "could not drop the slot: {}", relay.log());
+    publish_n_unchecked(&db, 9);
+    db.exec("SELECT 1 FROM pg_create_logical_replication_slot('postbox', 'pgoutput')");
+    publish(&db, "rev.a", 10);
+    assert!(
+        wait(Duration::from_secs(30), || relay
+            .lines()
+            .iter()
+            .any(|l| l["payload"]["n"] == 10)),
+        "{}",
+        relay.log()
+    );
+    assert!(!relay.lines().iter().any(|l| l["payload"]["n"] == 9));
+    assert!(
+        wait(Duration::from_secs(10), || reports(&relay) == 2),
+        "replaced while streaming, and nothing said: {}",
+        relay.log()
+    );
+}
+
+/// A message written as a plain SQL writer would, with no slot to check (`publish` refuses
+/// then): lost when the slot is being replaced, which is what the relay must report.
+fn publish_n_unchecked(db: &TestDb, n: i64) {
+    db.exec(&format!(
+        r#"SELECT pg_logical_emit_message(true, 'postbox', '{{"v":1,"topic":"rev.a","payload":{{"n":{n}}}}}')"#
+    ));
 }

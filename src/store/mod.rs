@@ -172,7 +172,7 @@ pub use self::{
         EXACT_LIMIT, SAMPLE_ROWS, SampleRow, StalledKey, Stats, TOPIC_EXACT_LIMIT, TopicStats,
     },
     stream::{StreamSetup, StreamSlot, check_slot_name, stream_session_alive},
-    stream_guard::Recorded,
+    stream_guard::SlotRecord,
 };
 
 #[cfg(feature = "cron")]

@@ -1,116 +1,216 @@
-//! The record that lets a relay tell its slot from one created again under the same name (see the
-//! migration `stream_slot_guard`): before it confirms a position past its record, a relay records
-//! the server's WAL position as the new limit, durably; a slot found confirmed past the limit was
-//! not confirmed by postbox, and the range from the last position postbox confirmed to the slot's
+//! The record that lets a relay tell its slot from one created again under the same name, or
+//! moved by something else (see the migration `stream_slot_guard`): before it confirms a position
+//! past its record, a relay records that position as the new limit, durably, after checking that
+//! the slot is still at or before the old one. A slot found confirmed past the limit was not
+//! confirmed by postbox, and the range from the last position postbox had confirmed to the slot's
 //! may never have been streamed.
 
-use diesel::sql_types::{BigInt, Text};
-use diesel::{OptionalExtension, QueryableByName};
+use diesel::QueryableByName;
+use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel_async::RunQueryDsl;
 
 use super::Store;
 use crate::error::{Error, Result};
 
-/// What a record of the confirmation limit left.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Recorded {
-    /// The slot may be confirmed up to here (the server's WAL position when it was recorded, or a
-    /// later one another relay recorded).
-    pub limit: u64,
-    /// The server's WAL position right after the record committed: the record's own WAL ends
-    /// before it (a keepalive up to here says nothing of anyone else's writes).
-    pub own_end: u64,
+/// What a check (and record) of the confirmation limit found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SlotRecord {
+    /// The slot is postbox's: confirmed at or before the limit, which is now this (a WAL
+    /// position as a number; `None`: never recorded, and nothing was asked to be).
+    Ours {
+        /// The limit the slot may be confirmed up to.
+        limit: Option<u64>,
+    },
+    /// The slot was confirmed past the limit: the range `from..to` may never have been streamed
+    /// (recorded, joined to one found before and not yet acknowledged); the limit is now `limit`.
+    Gap {
+        /// The last position postbox had confirmed when it last recorded.
+        from: String,
+        /// The slot's position when found.
+        to: String,
+        /// The limit from now on.
+        limit: u64,
+    },
+    /// The slot is not registered (`postbox stream drop` ran) or the server has no such slot.
+    Missing,
 }
 
 #[derive(QueryableByName)]
-struct Limit {
-    #[diesel(sql_type = BigInt)]
-    limit: i64,
+struct Row {
+    #[diesel(sql_type = Nullable<BigInt>)]
+    confirm_limit: Option<i64>,
+    #[diesel(sql_type = Nullable<BigInt>)]
+    at: Option<i64>,
 }
 
 #[derive(QueryableByName)]
-struct Position {
-    #[diesel(sql_type = BigInt)]
-    at: i64,
-}
-
-#[derive(QueryableByName)]
-struct Gap {
+struct GapRow {
     #[diesel(sql_type = Text)]
     gap_from: String,
     #[diesel(sql_type = Text)]
     gap_to: String,
+    #[diesel(sql_type = BigInt)]
+    confirm_limit: i64,
+}
+
+#[derive(QueryableByName)]
+struct LimitRow {
+    #[diesel(sql_type = BigInt)]
+    confirm_limit: i64,
+}
+
+const READ: &str = "
+SELECT (r.confirm_limit - '0/0'::pg_lsn)::bigint AS confirm_limit,
+       (s.confirmed_flush_lsn - '0/0'::pg_lsn)::bigint AS at
+FROM postbox.stream_slots r
+LEFT JOIN pg_catalog.pg_replication_slots s
+       ON s.slot_name = r.slot_name AND s.database = current_database()
+WHERE r.slot_name = $1";
+
+fn lsn(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+fn position(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or_default()
 }
 
 impl Store {
-    /// Records that the relay may confirm `slot` up to the server's WAL position now, and that it
-    /// had confirmed up to `confirmed` (a WAL position as a number) by then; committed durably
-    /// (the server may keep the slot's confirmed position across a crash). `None` when the slot
-    /// is not registered (`postbox stream drop` ran).
-    pub async fn stream_record_limit(
+    /// Checks `slot` against the limit its relays recorded and, with `target`, records that a
+    /// relay may confirm it up to `target` (a WAL position as a number), having confirmed up to
+    /// `confirmed` by then; committed durably (the server may keep a slot's confirmed position
+    /// across a crash). A slot confirmed past the limit is recorded as a gap instead. Without
+    /// `target` nothing is written unless a gap is found (a standby relay checks often). A slot
+    /// at or before `ours` (what this relay confirmed without a record: a server that shut down
+    /// asked for it) is this relay's, and its position becomes the limit.
+    pub async fn stream_slot_record(
         &self,
         slot: &str,
+        target: Option<u64>,
         confirmed: u64,
-    ) -> Result<Option<Recorded>> {
+        ours: u64,
+    ) -> Result<SlotRecord> {
         use diesel_async::AsyncConnection;
         let mut conn = self.conn().await?;
-        let confirmed = i64::try_from(confirmed).unwrap_or(i64::MAX);
-        let limit: Option<Limit> = conn
-            .transaction::<_, Error, _>(async |c| {
-                diesel::sql_query("SET LOCAL synchronous_commit = on")
-                    .execute(c)
-                    .await?;
-                Ok(diesel::sql_query(
-                    "UPDATE postbox.stream_slots
-                     SET confirm_limit = GREATEST(confirm_limit, pg_current_wal_insert_lsn()),
-                         confirmed_before = GREATEST(confirmed_before, '0/0'::pg_lsn + $2::numeric)
-                     WHERE slot_name = $1
-                     RETURNING (confirm_limit - '0/0'::pg_lsn)::bigint AS limit",
-                )
+        let mut target = target;
+        if target.is_none() {
+            // A plain read first: a check that finds nothing writes nothing.
+            let row: Option<Row> = diesel::sql_query(READ)
                 .bind::<Text, _>(slot)
-                .bind::<BigInt, _>(confirmed)
+                .get_result(&mut *conn)
+                .await
+                .map(Some)
+                .or_else(|e| match e {
+                    diesel::result::Error::NotFound => Ok(None),
+                    e => Err(e),
+                })?;
+            match row {
+                None
+                | Some(Row {
+                    confirm_limit: _,
+                    at: None,
+                }) => return Ok(SlotRecord::Missing),
+                Some(Row {
+                    confirm_limit: Some(limit),
+                    at: Some(at),
+                }) if at > limit => {
+                    if position(at) <= ours {
+                        // Confirmed by this relay when the server shut down: recorded now.
+                        target = Some(position(at));
+                    }
+                }
+                Some(r) => {
+                    return Ok(SlotRecord::Ours {
+                        limit: r.confirm_limit.map(position),
+                    });
+                }
+            }
+        }
+        conn.transaction::<_, Error, _>(async |c| {
+            diesel::sql_query("SET LOCAL synchronous_commit = on")
+                .execute(c)
+                .await?;
+            // Locked: a relay that confirms waits for this record, and another relay's check
+            // sees it whole. The slot's position is read after the lock is held.
+            let row: Option<Row> = diesel::sql_query(format!("{READ} FOR UPDATE OF r"))
+                .bind::<Text, _>(slot)
                 .get_result(c)
                 .await
-                .optional()?)
-            })
-            .await?;
-        let Some(limit) = limit else {
-            return Ok(None);
-        };
-        let end: Position =
-            diesel::sql_query("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint AS at")
-                .get_result(&mut *conn)
+                .map(Some)
+                .or_else(|e| match e {
+                    diesel::result::Error::NotFound => Ok(None),
+                    e => Err(e),
+                })?;
+            let Some(Row {
+                confirm_limit,
+                at: Some(at),
+            }) = row
+            else {
+                return Ok(SlotRecord::Missing);
+            };
+            if confirm_limit.is_some_and(|limit| at > limit) && position(at) > ours {
+                let gap: GapRow = diesel::sql_query(
+                    "UPDATE postbox.stream_slots
+                     SET gap_from = LEAST(gap_from, coalesce(confirmed_before, confirm_limit)),
+                         gap_to = GREATEST(gap_to, '0/0'::pg_lsn + $2::numeric),
+                         gap_found_at = now(),
+                         confirm_limit = GREATEST('0/0'::pg_lsn + $2::numeric, '0/0'::pg_lsn + $3::numeric),
+                         confirmed_before = '0/0'::pg_lsn + $2::numeric
+                     WHERE slot_name = $1
+                     RETURNING gap_from::text AS gap_from, gap_to::text AS gap_to,
+                               (confirm_limit - '0/0'::pg_lsn)::bigint AS confirm_limit",
+                )
+                .bind::<Text, _>(slot)
+                .bind::<BigInt, _>(at)
+                .bind::<BigInt, _>(lsn(target.unwrap_or(0)))
+                .get_result(c)
                 .await?;
-        Ok(Some(Recorded {
-            limit: u64::try_from(limit.limit).unwrap_or_default(),
-            own_end: u64::try_from(end.at).unwrap_or_default(),
-        }))
+                return Ok(SlotRecord::Gap {
+                    from: gap.gap_from,
+                    to: gap.gap_to,
+                    limit: position(gap.confirm_limit),
+                });
+            }
+            let Some(target) = target else {
+                return Ok(SlotRecord::Ours {
+                    limit: confirm_limit.map(position),
+                });
+            };
+            let limit: LimitRow = diesel::sql_query(
+                "UPDATE postbox.stream_slots
+                 SET confirm_limit = GREATEST(confirm_limit, '0/0'::pg_lsn + $2::numeric,
+                                              '0/0'::pg_lsn + $4::numeric),
+                     confirmed_before = GREATEST(confirmed_before, '0/0'::pg_lsn + $3::numeric)
+                 WHERE slot_name = $1
+                 RETURNING (confirm_limit - '0/0'::pg_lsn)::bigint AS confirm_limit",
+            )
+            .bind::<Text, _>(slot)
+            .bind::<BigInt, _>(lsn(target))
+            .bind::<BigInt, _>(lsn(confirmed))
+            .bind::<BigInt, _>(at.min(lsn(ours)))
+            .get_result(c)
+            .await?;
+            Ok(SlotRecord::Ours {
+                limit: Some(position(limit.confirm_limit)),
+            })
+        })
+        .await
     }
 
-    /// Looks for `slot` confirmed past the limit its relays recorded (created again under the
-    /// same name, advanced by hand, or streamed by another program). When found, the range that
-    /// may never have been streamed is recorded (joined to one found before and not yet
-    /// acknowledged by `postbox stream setup`), the limit moves to the slot's position, and the
-    /// range is returned (`from`, `to`). One relay finds it: the row is locked.
-    pub async fn stream_find_gap(&self, slot: &str) -> Result<Option<(String, String)>> {
-        let gap: Option<Gap> = diesel::sql_query(
-            "UPDATE postbox.stream_slots r
-             SET gap_from = LEAST(r.gap_from, coalesce(r.confirmed_before, r.confirm_limit)),
-                 gap_to = GREATEST(r.gap_to, s.confirmed_flush_lsn),
-                 gap_found_at = now(),
-                 confirm_limit = s.confirmed_flush_lsn,
-                 confirmed_before = s.confirmed_flush_lsn
-             FROM pg_catalog.pg_replication_slots s
-             WHERE r.slot_name = $1
-               AND s.slot_name = r.slot_name
-               AND s.database = current_database()
-               AND s.confirmed_flush_lsn > r.confirm_limit
-             RETURNING r.gap_from::text AS gap_from, r.gap_to::text AS gap_to",
+    /// Whether this role may record the confirmation limit (UPDATE on `postbox.stream_slots`):
+    /// a relay that cannot does not stream (it could neither confirm safely nor tell a slot
+    /// created again by hand).
+    pub async fn stream_can_record(&self) -> Result<bool> {
+        #[derive(QueryableByName)]
+        struct Flag {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            flag: bool,
+        }
+        let f: Flag = diesel::sql_query(
+            "SELECT has_table_privilege('postbox.stream_slots', 'UPDATE') AS flag",
         )
-        .bind::<Text, _>(slot)
         .get_result(&mut *self.conn().await?)
-        .await
-        .optional()?;
-        Ok(gap.map(|g| (g.gap_from, g.gap_to)))
+        .await?;
+        Ok(f.flag)
     }
 }

@@ -1,12 +1,14 @@
 //! What the streamer confirms, held to a limit recorded in the database first (see the migration
 //! `stream_slot_guard`): a slot found confirmed past the limit was not confirmed by postbox (it
-//! was created again under the same name by hand, or advanced), and what was published before its
-//! position may never have been streamed.
+//! was created again under the same name by hand, advanced, or streamed by another program), and
+//! what was published before its position may never have been streamed.
 //!
-//! One record covers every confirmation up to the server's WAL position at the time it was made,
-//! so a busy stream records at most every [`RECORD_EVERY`]. An idle stream's keepalives do not
-//! record again for WAL that is only the last record's own: the record would write WAL, the next
-//! keepalive would report it, and the relay would record for ever.
+//! The limit is exactly what the relay confirms: a delivered batch's position is recorded (at
+//! most every [`RECORD_EVERY`]) before it is confirmed. A keepalive's position (nothing in
+//! flight) is recorded only once it is [`IDLE_SLACK`] past the limit: every record writes WAL,
+//! which the next keepalive reports, so recording each would never end (and two idle relays
+//! would feed each other). Each record first checks the slot against the old limit, so a slot
+//! replaced while a relay streams is found at its next record.
 
 use std::time::{Duration, Instant};
 
@@ -15,49 +17,54 @@ use tokio::task::JoinHandle;
 
 use super::StreamReport;
 use super::relay::lsn_text;
-use crate::store::{Recorded, Store};
+use crate::store::{SlotRecord, Store};
 
-/// The least time between two records of the confirmation limit.
+/// The least time between two records of the confirmation limit (a busy stream records at most
+/// twenty times a second).
 pub const RECORD_EVERY: Duration = Duration::from_millis(50);
+
+/// How far a keepalive's position may pass the limit before it is recorded: the slot of an idle
+/// stream stays at most this far behind the server.
+pub const IDLE_SLACK: u64 = 256 * 1024;
 
 /// How long a record may take before it counts as failed.
 const RECORD_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// After a record failed, confirmations go unguarded this long (the slot keeps moving: WAL is
-/// not kept for a database that cannot be written), then recording is tried again.
-const UNGUARDED_FOR: Duration = Duration::from_secs(30);
-
-type Recording = JoinHandle<Result<Option<Recorded>, String>>;
+type Recording = JoinHandle<Result<SlotRecord, String>>;
 
 /// Why a position is confirmed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Confirm {
     /// Every message before it was delivered or dead-lettered.
     Delivered,
-    /// A transaction without postbox messages passed (the stream's progress, but no reason to
-    /// record: the last record's own transaction may be one, on servers that send empty ones).
+    /// A transaction without postbox messages passed (the stream's progress, recorded as a
+    /// keepalive is).
     Passed,
     /// A keepalive's position: nothing is in flight.
     Idle,
+    /// A keepalive's position the server asks to be confirmed now (it shuts down and waits for
+    /// the relay to confirm all it sent; a record cannot be made then): confirmed unrecorded,
+    /// and this relay remembers it (a slot found there later is its own).
+    Requested,
 }
 
 pub(super) struct Guard {
     store: Store,
     slot: String,
-    /// What the relay may confirm up to without recording again.
+    /// What the relay may confirm up to (recorded); `None` until the first record.
     limit: Option<u64>,
-    /// The server's position right after the last record committed.
-    own_end: u64,
+    /// What this relay confirmed without a record (a server that shut down asked for it).
+    unrecorded: u64,
     /// The highest position asked to be confirmed in this session.
     wanted: u64,
-    /// The highest position the stream's own progress asked for (not a keepalive).
-    progressed: u64,
+    /// The highest position delivered batches asked for.
+    delivered: u64,
     /// The position last handed to the replication client in this session.
     applied: u64,
     recording: Option<Recording>,
     last_record: Option<Instant>,
-    /// Until when confirmations go unguarded after a failed record.
-    unguarded_until: Option<Instant>,
+    /// Records that failed in a row (each waits longer before the next, up to 30 s).
+    failures: u32,
     failure_said: Option<Instant>,
 }
 
@@ -67,21 +74,22 @@ impl Guard {
             store,
             slot,
             limit: None,
-            own_end: 0,
+            unrecorded: 0,
             wanted: 0,
-            progressed: 0,
+            delivered: 0,
             applied: 0,
             recording: None,
             last_record: None,
-            unguarded_until: None,
+            failures: 0,
             failure_said: None,
         }
     }
 
-    /// A new replication session: nothing was confirmed on it yet.
+    /// A new replication session: nothing was confirmed on it yet. A record still being made
+    /// for the last session goes on: it checks the slot first.
     pub(super) fn session_started(&mut self) {
         self.wanted = 0;
-        self.progressed = 0;
+        self.delivered = 0;
         self.applied = 0;
     }
 
@@ -100,20 +108,23 @@ impl Guard {
             return;
         }
         if why == Confirm::Delivered {
-            self.progressed = self.progressed.max(lsn.0);
+            self.delivered = self.delivered.max(lsn.0);
+        }
+        if why == Confirm::Requested {
+            self.unrecorded = self.unrecorded.max(lsn.0);
         }
         self.wanted = self.wanted.max(lsn.0);
         self.apply(client, report);
         self.record_if_needed();
     }
 
-    /// Whether a record is being made (its end is awaited with [`Guard::recorded`]).
+    /// Whether a record is being made (its end is awaited with [`Guard::wait`]).
     pub(super) fn recording(&self) -> bool {
         self.recording.is_some()
     }
 
     /// Waits for the record being made (pending for ever when none is).
-    pub(super) async fn wait(&mut self) -> Result<Option<Recorded>, String> {
+    pub(super) async fn wait(&mut self) -> Result<SlotRecord, String> {
         match &mut self.recording {
             Some(task) => match task.await {
                 Ok(r) => r,
@@ -126,72 +137,86 @@ impl Guard {
     /// The record being made ended with `done`: confirms what it allows.
     pub(super) fn recorded(
         &mut self,
-        done: Result<Option<Recorded>, String>,
+        done: Result<SlotRecord, String>,
         client: &ReplicationClient,
         report: &mut StreamReport,
     ) {
         self.recording = None;
         self.last_record = Some(Instant::now());
-        match done {
-            Ok(Some(r)) => {
-                self.limit = Some(self.limit.unwrap_or(0).max(r.limit));
-                self.own_end = self.own_end.max(r.own_end);
-                self.unguarded_until = None;
-            }
-            // Not registered (dropped meanwhile): nothing to guard; the relay finds the slot
-            // gone when it connects again.
-            Ok(None) => self.unguarded_until = Some(Instant::now() + UNGUARDED_FOR),
-            Err(e) => {
-                let now = Instant::now();
-                if self
-                    .failure_said
-                    .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(300))
-                {
-                    tracing::warn!(slot = %self.slot, error = %e, "stream: cannot record the confirmation limit; confirming without it for a while (a slot created again by hand may go unnoticed, or a restart may report a gap that is not one)");
-                    self.failure_said = Some(now);
-                }
-                self.unguarded_until = Some(now + UNGUARDED_FOR);
-            }
-        }
+        self.take(done);
         self.apply(client, report);
         self.record_if_needed();
     }
 
-    /// Waits (up to `deadline`) for the record being made and confirms what it allows: a relay
-    /// that stops confirms what it delivered.
+    fn take(&mut self, done: Result<SlotRecord, String>) {
+        match done {
+            Ok(SlotRecord::Ours { limit }) => {
+                self.failures = 0;
+                if let Some(l) = limit {
+                    self.limit = Some(self.limit.unwrap_or(0).max(l));
+                }
+            }
+            Ok(SlotRecord::Gap { from, to, limit }) => {
+                self.failures = 0;
+                self.limit = Some(limit);
+                gap_found(&self.slot, &from, &to);
+            }
+            Ok(SlotRecord::Missing) => {
+                self.failed("the slot is not registered, or the server has no such slot".into())
+            }
+            Err(e) => self.failed(e),
+        }
+    }
+
+    fn failed(&mut self, why: String) {
+        self.failures = self.failures.saturating_add(1);
+        let now = Instant::now();
+        if self
+            .failure_said
+            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(300))
+        {
+            tracing::warn!(slot = %self.slot, error = %why, "stream: cannot record the confirmation limit: delivered messages are not confirmed past it until a record succeeds (they are streamed again after a restart, and the server keeps their WAL)");
+            self.failure_said = Some(now);
+        }
+    }
+
+    /// Waits (up to `deadline`) for a record of what was delivered and confirms what it allows:
+    /// a relay that stops confirms what it delivered.
     pub(super) async fn settle(
         &mut self,
         client: &ReplicationClient,
         report: &mut StreamReport,
         deadline: Duration,
     ) {
-        if self.recording.is_none() && self.wanted > self.limit.unwrap_or(0) {
-            self.start_record(Duration::ZERO);
-        }
-        if self.recording.is_some()
-            && let Ok(done) = tokio::time::timeout(deadline, self.wait()).await
-        {
-            self.recording = None;
-            self.last_record = Some(Instant::now());
-            if let Ok(Some(r)) = done {
-                self.limit = Some(self.limit.unwrap_or(0).max(r.limit));
-                self.own_end = self.own_end.max(r.own_end);
+        let deadline = tokio::time::Instant::now() + deadline;
+        loop {
+            if self.recording.is_none() {
+                if self.delivered <= self.limit.unwrap_or(0) {
+                    return;
+                }
+                self.start_record(Duration::ZERO);
             }
-            self.apply(client, report);
+            match tokio::time::timeout_at(deadline, self.wait()).await {
+                Ok(done) => {
+                    self.recording = None;
+                    self.last_record = Some(Instant::now());
+                    let failed =
+                        !matches!(done, Ok(SlotRecord::Ours { .. } | SlotRecord::Gap { .. }));
+                    self.take(done);
+                    self.apply(client, report);
+                    if failed {
+                        return;
+                    }
+                }
+                Err(_) => return,
+            }
         }
-    }
-
-    fn unguarded(&self) -> bool {
-        self.unguarded_until
-            .is_some_and(|until| Instant::now() < until)
     }
 
     fn apply(&mut self, client: &ReplicationClient, report: &mut StreamReport) {
-        let to = if self.unguarded() {
-            self.wanted
-        } else {
-            self.wanted.min(self.limit.unwrap_or(0))
-        };
+        let to = self
+            .wanted
+            .min(self.limit.unwrap_or(0).max(self.unrecorded));
         if to > self.applied {
             client.update_applied_lsn(Lsn(to));
             self.applied = to;
@@ -200,27 +225,44 @@ impl Guard {
     }
 
     fn record_if_needed(&mut self) {
-        if self.recording.is_some() || self.unguarded() {
+        if self.recording.is_some() {
             return;
         }
-        let limit = self.limit.unwrap_or(0);
-        // A keepalive up to the last record's own end says nothing of anyone else's WAL.
-        let needed = self.progressed > limit || (self.wanted > limit && self.wanted > self.own_end);
+        let needed = match self.limit {
+            None => self.wanted > 0,
+            Some(limit) => {
+                self.delivered > limit || self.wanted >= limit.saturating_add(IDLE_SLACK)
+            }
+        };
         if needed {
-            let wait = self
+            let since = self
                 .last_record
-                .map(|at| (at + RECORD_EVERY).saturating_duration_since(Instant::now()))
-                .unwrap_or_default();
-            self.start_record(wait);
+                .map(|at| at.elapsed())
+                .unwrap_or(Duration::MAX);
+            let pause = if self.failures > 0 {
+                Duration::from_secs(1 << self.failures.min(5)).min(Duration::from_secs(30))
+            } else {
+                RECORD_EVERY
+            };
+            self.start_record(pause.saturating_sub(since));
         }
     }
 
+    /// What this relay confirmed without a record, for its checks of the slot.
+    pub(super) fn unrecorded(&self) -> u64 {
+        self.unrecorded
+    }
+
     fn start_record(&mut self, wait: Duration) {
-        let (store, slot, confirmed) = (self.store.clone(), self.slot.clone(), self.applied);
+        let (store, slot) = (self.store.clone(), self.slot.clone());
+        let (target, confirmed, ours) = (self.wanted, self.applied, self.unrecorded);
         self.recording = Some(tokio::spawn(async move {
             tokio::time::sleep(wait).await;
-            match tokio::time::timeout(RECORD_TIMEOUT, store.stream_record_limit(&slot, confirmed))
-                .await
+            match tokio::time::timeout(
+                RECORD_TIMEOUT,
+                store.stream_slot_record(&slot, Some(target), confirmed, ours),
+            )
+            .await
             {
                 Ok(r) => r.map_err(|e| crate::redact::redact_url(&e.to_string())),
                 Err(_) => Err(format!("no answer within {RECORD_TIMEOUT:?}")),
@@ -235,4 +277,14 @@ impl Drop for Guard {
             t.abort();
         }
     }
+}
+
+/// Says loudly that `slot` was found confirmed past the limit postbox recorded.
+pub(super) fn gap_found(slot: &str, from: &str, to: &str) {
+    tracing::error!(
+        slot = %slot,
+        %from,
+        %to,
+        "stream: the slot was confirmed past the last position postbox recorded for it: it was dropped and created again by hand under the same name, advanced, or streamed by another program; messages published from {from} to {to} may never have been streamed, and cannot be now; streaming goes on from the slot's position; `postbox stream setup` acknowledges this report"
+    );
 }

@@ -128,19 +128,21 @@ impl Streamer {
         }
     }
 
-    /// Says loudly, once, that the slot was found confirmed past the limit this slot's relays
-    /// recorded: created again by hand under the same name (or advanced, or streamed by another
-    /// program); what was published in the range may never have been streamed. The range stays
-    /// in `postbox stream status` and `postbox_stream_slot_gap_bytes` until `postbox stream setup`.
-    async fn find_gap(&self) {
-        match self.store.stream_find_gap(&self.config.slot).await {
-            Ok(Some((from, to))) => tracing::error!(
-                slot = %self.config.slot,
-                %from,
-                %to,
-                "stream: the slot was confirmed past the last position postbox recorded for it: it was dropped and created again by hand under the same name (or advanced, or streamed by another program); messages published from {from} to {to} may never have been streamed, and cannot be now; streaming goes on from the slot's position; `postbox stream setup` acknowledges this report"
-            ),
-            Ok(None) => {}
+    /// Checks the slot against the limit its relays recorded before this relay streams it: one
+    /// found confirmed past it (created again by hand under the same name, advanced, or streamed
+    /// by another program) is said loudly, with the range that may never have been streamed;
+    /// it stays in `postbox stream status` and `postbox_stream_slot_gap_bytes` until `postbox
+    /// stream setup`. (Each record of the limit checks again, while the relay streams.)
+    async fn find_gap(&self, guard: &super::guard::Guard) {
+        match self
+            .store
+            .stream_slot_record(&self.config.slot, None, 0, guard.unrecorded())
+            .await
+        {
+            Ok(crate::store::SlotRecord::Gap { from, to, .. }) => {
+                super::guard::gap_found(&self.config.slot, &from, &to);
+            }
+            Ok(_) => {}
             Err(e) => {
                 tracing::debug!(error = %e, "stream: cannot check the slot against its recorded limit")
             }
@@ -193,7 +195,6 @@ impl Streamer {
                         lost_said = false;
                     }
                     self.observe(|o| o.stream_slot_ready());
-                    self.find_gap().await;
                 }
                 // Lost or dropped: said once, loudly; only `postbox stream setup` replaces it,
                 // and this relay streams the new slot as soon as it exists.
@@ -225,6 +226,21 @@ impl Streamer {
                     continue;
                 }
             }
+            // Without UPDATE on postbox.stream_slots the relay could neither confirm what it
+            // delivered (each confirmation is recorded first) nor tell a slot created again.
+            if let Ok(false) = self.store.stream_can_record().await {
+                self.broken(
+                    &mut broken,
+                    "the role cannot record the slot's confirmation limit: GRANT UPDATE ON postbox.stream_slots to the relay's role (`postbox grant` prints the relay role's grants)",
+                    pause,
+                );
+                if sleep_or_stop(pause, &stop).await {
+                    break;
+                }
+                pause = (pause * 2).min(Duration::from_secs(30));
+                continue;
+            }
+            self.find_gap(&guard).await;
             match self
                 .store
                 .stream_publication_exists(&self.config.publication)

@@ -242,10 +242,17 @@ impl Streamer {
                 }
                 // Nothing is in flight: everything before the server's position is delivered
                 // (this is what moves the slot while no message is published).
-                ReplicationEvent::KeepAlive { wal_end, .. }
-                    if batch.items.is_empty() && tx.is_none() && in_flight.is_none() =>
-                {
-                    guard.confirm(client, wal_end, Confirm::Idle, report);
+                ReplicationEvent::KeepAlive {
+                    wal_end,
+                    reply_requested,
+                    ..
+                } if batch.items.is_empty() && tx.is_none() && in_flight.is_none() => {
+                    let why = if reply_requested {
+                        Confirm::Requested
+                    } else {
+                        Confirm::Idle
+                    };
+                    guard.confirm(client, wal_end, why, report);
                 }
                 ReplicationEvent::StoppedAt { .. } => return Ended::Stopped,
                 _ => {}
