@@ -80,12 +80,13 @@ pub enum Error {
     /// The message was refused before any SQL ran; nothing was written.
     #[error("invalid message: {0}")]
     InvalidMessage(#[from] InvalidMessage),
-    /// A query failed.
+    /// A query failed. Its text is in this error's message, and it is not repeated as a source
+    /// (an error chain prints "database: X", not "database: X: X"); match the variant for it.
     #[error("database: {0}")]
-    Database(#[from] diesel::result::Error),
-    /// A connection could not be established.
+    Database(diesel::result::Error),
+    /// A connection could not be established (its text in the message, as for `Database`).
     #[error("connection: {0}")]
-    Connection(#[from] diesel::ConnectionError),
+    Connection(diesel::ConnectionError),
     /// No connection could be taken from the pool.
     #[error("connection pool: {0}")]
     Pool(String),
@@ -104,3 +105,38 @@ pub enum Error {
 
 /// Result with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<diesel::result::Error> for Error {
+    fn from(e: diesel::result::Error) -> Self {
+        Error::Database(e)
+    }
+}
+
+impl From<diesel::ConnectionError> for Error {
+    fn from(e: diesel::ConnectionError) -> Self {
+        Error::Connection(e)
+    }
+}
+
+/// `?` on postbox's calls inside a diesel transaction whose closure returns
+/// `diesel::QueryResult`: a database error stays what it was; anything else (an invalid message,
+/// a pool or an argument refused) becomes a `QueryBuilderError` carrying it, and the transaction
+/// rolls back either way.
+///
+/// ```no_run
+/// use diesel::{Connection, PgConnection, QueryResult};
+/// # fn demo(conn: &mut PgConnection) -> QueryResult<()> {
+/// conn.transaction(|conn| -> QueryResult<()> {
+///     postbox::enqueue(conn, &postbox::Message::new("order.created"))?;
+///     Ok(())
+/// })
+/// # }
+/// ```
+impl From<Error> for diesel::result::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Database(e) => e,
+            other => diesel::result::Error::QueryBuilderError(Box::new(other)),
+        }
+    }
+}

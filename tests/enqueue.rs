@@ -462,3 +462,42 @@ fn concurrent_migrations_take_turns() {
         .execute(&mut db.conn())
         .unwrap();
 }
+
+/// An app whose transaction closures return diesel's `QueryResult` uses `?` on postbox's calls:
+/// the message commits with the business row; an invalid message rolls both back and stays
+/// readable as what it was.
+#[test]
+fn enqueue_in_a_transaction_returning_query_result() {
+    let db = TestDb::migrated();
+    business_table(&db);
+    let mut conn = db.conn();
+    conn.transaction(|conn| -> diesel::QueryResult<()> {
+        conn.batch_execute("INSERT INTO orders VALUES (1, 10)")?;
+        postbox::enqueue(conn, &Message::new("order.created").payload(&1))?;
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(count(&db), 1);
+    let e = conn
+        .transaction(|conn| -> diesel::QueryResult<()> {
+            conn.batch_execute("INSERT INTO orders VALUES (2, 20)")?;
+            postbox::enqueue(conn, &Message::new(""))?;
+            Ok(())
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("topic: must not be empty"), "{e}");
+    assert_eq!(count(&db), 1);
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM orders"), 1);
+}
+
+/// A database error says what the database said once, in `{}` and in an error chain alike.
+#[test]
+fn a_database_error_says_its_text_once() {
+    let db = TestDb::migrated();
+    db.exec("ALTER TABLE postbox.messages RENAME TO gone");
+    let e = postbox::enqueue(&mut db.conn(), &Message::new("t")).unwrap_err();
+    assert!(matches!(e, postbox::Error::Database(_)), "{e:?}");
+    let chain = format!("{:#}", anyhow::Error::from(e));
+    assert_eq!(chain.matches("does not exist").count(), 1, "{chain}");
+    assert!(chain.starts_with("database: "), "{chain}");
+}
