@@ -435,6 +435,33 @@ async fn dead_letter_commands_list_replay_and_purge() {
     let listed: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(listed.len(), 2);
     assert!(listed.iter().all(|d| d["reason"] == "broken"));
+    // A limit below what exists says that more exist; one at or above it gives the count.
+    let list = |limit: &str| {
+        postbox(&[
+            "--database-url",
+            &db.url,
+            "dead",
+            "list",
+            "--topic",
+            "a",
+            "--limit",
+            limit,
+        ])
+    };
+    let out = list("1");
+    assert_eq!(
+        text(&out.stdout).lines().count(),
+        1,
+        "{}",
+        text(&out.stdout)
+    );
+    assert!(
+        text(&out.stderr).contains("the first 1 dead letter(s); more exist"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = list("2");
+    assert_eq!(text(&out.stderr).trim(), "2 dead letter(s)");
 
     let out = postbox(&[
         "--database-url",

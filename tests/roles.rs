@@ -812,4 +812,18 @@ async fn a_stream_relay_streams_as_the_relay_role_and_names_the_privilege_it_lac
     )
     .unwrap();
     assert!(relay.lines().is_empty(), "{:?}", relay.lines());
+    drop(relay);
+    // `stream setup` as the relay role, where the publication must be created: the privilege
+    // is named.
+    db.exec("DROP PUBLICATION postbox_stream");
+    let out = hermetic(env!("CARGO_BIN_EXE_postbox"))
+        .args(["stream", "setup"])
+        .env("POSTBOX_DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("GRANT CREATE ON DATABASE postbox"),
+        "{err}"
+    );
 }

@@ -73,11 +73,16 @@ pub async fn run(settings: &Settings, command: DeadCommand) -> Result<()> {
     let store = || super::admin_store(settings);
     match command {
         DeadCommand::List { topic, limit, json } => {
-            let dead = store()
+            // One more than asked: whether more exist, without counting them all.
+            let mut dead = store()
                 .await?
-                .dead_list(topic.as_deref(), limit)
+                .dead_list(topic.as_deref(), limit.saturating_add(1))
                 .await
                 .map_err(|e| RelayError::Runtime(e.into()))?;
+            let more = usize::try_from(limit).is_ok_and(|l| dead.len() > l);
+            if more {
+                dead.truncate(usize::try_from(limit).unwrap_or_default());
+            }
             if json {
                 println!(
                     "{}",
@@ -96,7 +101,14 @@ pub async fn run(settings: &Settings, command: DeadCommand) -> Result<()> {
                         super::printable(&d.reason)
                     );
                 }
-                eprintln!("{} dead letter(s)", dead.len());
+                if more {
+                    eprintln!(
+                        "the first {} dead letter(s); more exist (raise --limit, or narrow with --topic)",
+                        dead.len()
+                    );
+                } else {
+                    eprintln!("{} dead letter(s)", dead.len());
+                }
             }
         }
         DeadCommand::Replay(s) => {

@@ -172,7 +172,20 @@ pub async fn run(settings: &Settings, command: StreamCommand) -> Result<()> {
 fn setup_error(e: crate::Error) -> RelayError {
     match e {
         crate::Error::InvalidArgument { .. } => RelayError::Usage(e.to_string()),
-        other => RelayError::Runtime(other.into()),
+        other => {
+            let text = other.to_string();
+            // "permission denied for database X": creating the publication needs CREATE there.
+            if let Some(at) = text.find("permission denied for database ") {
+                let database = text[at + "permission denied for database ".len()..]
+                    .split_whitespace()
+                    .next()
+                    .unwrap_or("the database");
+                return RelayError::Runtime(anyhow::anyhow!(
+                    "stream setup: {text}\nthe role needs CREATE on database {database} to create the publication (GRANT CREATE ON DATABASE {database} TO the role), or run `postbox stream setup` as the database's owner"
+                ));
+            }
+            RelayError::Runtime(other.into())
+        }
     }
 }
 
