@@ -827,3 +827,38 @@ async fn a_stream_relay_streams_as_the_relay_role_and_names_the_privilege_it_lac
         "{err}"
     );
 }
+
+/// An embedded engine needs the relay's rights: built on the app's writer role it fails at once,
+/// naming what the role lacks (it used to build, then retry for ever at WARN); on the relay role
+/// it builds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_on_the_writer_role_fails_to_build_naming_the_missing_privileges() {
+    let (server, _db) = setup();
+    let handlers = || {
+        postbox::sink::handlers::Handlers::new().on(
+            "t",
+            |_job: postbox::sink::handlers::Job<serde_json::Value>| async move { Ok(()) },
+        )
+    };
+    let e = match postbox::engine::Engine::builder(as_role(&server, "app", "postbox"))
+        .handlers(handlers())
+        .build()
+        .await
+    {
+        Ok(_) => panic!("an engine on the writer role was built"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("database_url")
+            && e.contains("UPDATE on postbox.messages")
+            && e.contains("postbox_relay"),
+        "{e}"
+    );
+    assert!(
+        postbox::engine::Engine::builder(as_role(&server, "relayer", "postbox"))
+            .handlers(handlers())
+            .build()
+            .await
+            .is_ok()
+    );
+}

@@ -231,6 +231,18 @@ impl EngineBuilder {
             store = store.with_backoff(b)?;
         }
         store.check_schema().await?;
+        // An engine claims, settles and dead-letters as a relay does: a role without those
+        // rights (an app's writer role) would retry for ever at WARN. Said now, by name.
+        let missing = store.missing_relay_privileges().await?;
+        if !missing.is_empty() {
+            return Err(Error::InvalidArgument {
+                field: "database_url",
+                problem: format!(
+                    "the engine's role lacks {}: an embedded engine needs the relay's rights (`postbox grant` gives them to role postbox_relay); keep the writer role for the app's own transactions and give the engine a pool of its own (the book's roles page: two pools)",
+                    missing.join(", ")
+                ),
+            });
+        }
         if self.config.keep_completed.is_some() {
             // The partitions of this hour and the next must exist before anything is completed
             // (expired ones are dropped in the background: a detach waits for older transactions).

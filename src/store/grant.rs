@@ -316,3 +316,46 @@ impl Store {
         Ok(out)
     }
 }
+
+#[derive(QueryableByName)]
+struct Missing {
+    #[diesel(sql_type = Text)]
+    what: String,
+}
+
+impl Store {
+    /// The privileges an engine (embedded, or a relay's) needs that this store's role lacks, each
+    /// as `PRIVILEGE on OBJECT` (empty when it has them all): what [`grant_sql`] gives
+    /// [`RoleKind::Relay`], but for the stream's slot list (the streamer checks its own).
+    pub async fn missing_relay_privileges(&self) -> Result<Vec<String>> {
+        let mut checks = vec!["SELECT 'USAGE on schema postbox' AS what WHERE NOT has_schema_privilege('postbox', 'USAGE')".to_owned()];
+        for t in TABLES.iter().filter(|t| t.table != "stream_slots") {
+            if let Some(privileges) = t.relay {
+                for p in privileges.split(", ") {
+                    checks.push(format!(
+                        "SELECT '{p} on postbox.{t}' AS what WHERE to_regclass('postbox.{t}') IS NOT NULL AND NOT has_table_privilege('postbox.{t}', '{p}')",
+                        t = t.table
+                    ));
+                }
+            }
+        }
+        checks.push(
+            "SELECT 'USAGE on sequence ' || c.oid::regclass::text AS what FROM pg_catalog.pg_class c
+             WHERE c.relnamespace = 'postbox'::regnamespace
+               AND CASE WHEN c.relkind = 'S' THEN NOT has_sequence_privilege(c.oid, 'USAGE') END"
+                .to_owned(),
+        );
+        let owner_only: Vec<String> = OWNER_TRIGGERS.iter().map(|f| format!("'{f}'")).collect();
+        checks.push(format!(
+            "SELECT 'EXECUTE on function ' || p.oid::regprocedure::text AS what FROM pg_catalog.pg_proc p
+             WHERE p.pronamespace = 'postbox'::regnamespace
+               AND p.oid::regprocedure::text NOT IN ({})
+               AND NOT has_function_privilege(p.oid, 'EXECUTE')",
+            owner_only.join(", ")
+        ));
+        let rows: Vec<Missing> = diesel::sql_query(checks.join("\nUNION ALL\n"))
+            .load(&mut *self.conn().await?)
+            .await?;
+        Ok(rows.into_iter().map(|m| m.what).collect())
+    }
+}
