@@ -842,3 +842,50 @@ async fn messages_a_sink_hands_back_from_a_partly_delivered_batch_use_no_attempt
         0
     );
 }
+
+/// A buffer a tracing subscriber writes into.
+#[derive(Clone, Default)]
+struct LogBuffer(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogBuffer {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// postbox logs through `tracing`: an app with a subscriber sees one info line when its engine
+/// starts, naming what it serves.
+#[tokio::test]
+async fn an_engine_says_at_info_that_it_runs_and_what_it_serves() {
+    use tracing_subscriber::util::SubscriberInitExt;
+    let logs = LogBuffer::default();
+    let writer = logs.clone();
+    let _guard = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
+        .with_ansi(false)
+        .finish()
+        .set_default();
+    let db = TestDb::migrated();
+    let engine = Engine::builder(&db.url)
+        .handlers(Handlers::new().on("billing.*", |_: Job<()>| async { Ok(()) }))
+        .build()
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    shutdown.cancel();
+    engine.run(shutdown).await.unwrap();
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.contains("postbox engine running"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        line.contains("INFO") && line.contains("billing.*"),
+        "{line}"
+    );
+}

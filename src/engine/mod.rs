@@ -338,6 +338,12 @@ impl Engine {
         shutdown: CancellationToken,
         hard_stop: CancellationToken,
     ) -> Result<RunReport> {
+        tracing::info!(
+            sink = %self.sink.name(),
+            topics = ?self.sink.topics(),
+            concurrency = self.config.concurrency,
+            "postbox engine running"
+        );
         let observer: Arc<dyn Observer> = Arc::new(observer::Counting {
             counters: self.counters.clone(),
             inner: self.observer.clone(),
