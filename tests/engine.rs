@@ -781,6 +781,14 @@ async fn a_second_signal_hands_running_messages_back_at_once() {
         ),
         1
     );
+    // The message's error says what happened: a second signal, not the deadline.
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v FROM postbox.messages
+             WHERE last_error = 'delivery interrupted by a second stop signal during shutdown'"
+        ),
+        1
+    );
 }
 
 /// Hands back the first delivery of every message with an even id (as a Kafka batch that a broker

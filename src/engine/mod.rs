@@ -513,7 +513,14 @@ impl Engine {
                 _ = tokio::time::sleep_until(until) => false,
                 _ = hard_stop.cancelled() => false,
             };
-        if !finished {
+        if !finished && hard_stop.is_cancelled() {
+            tracing::warn!(
+                running = running.len(),
+                "a second stop signal: handing back running messages now, before the shutdown deadline"
+            );
+            running.abort_all();
+            while running.join_next().await.is_some() {}
+        } else if !finished {
             tracing::warn!(
                 running = running.len(),
                 "shutdown deadline reached; handing back running messages"
@@ -571,7 +578,12 @@ impl Engine {
                     .await;
             }
             if !interrupted.is_empty() {
-                self.interrupt(&interrupted, &*observer, |id| inflight.topic_of(id))
+                self.interrupt(
+                    &interrupted,
+                    &*observer,
+                    |id| inflight.topic_of(id),
+                    hard_stop.is_cancelled(),
+                )
                     .await;
             }
         };
@@ -623,15 +635,20 @@ impl Engine {
         leases: &[crate::store::Lease],
         observer: &dyn Observer,
         topic_of: impl Fn(i64) -> String,
+        hard: bool,
     ) {
         let retries: Vec<crate::store::Retry> = leases
             .iter()
             .map(|&lease| crate::store::Retry {
                 lease,
-                error: format!(
-                    "delivery interrupted by shutdown after the {:?} deadline",
-                    self.config.shutdown_deadline
-                ),
+                error: if hard {
+                    "delivery interrupted by a second stop signal during shutdown".to_owned()
+                } else {
+                    format!(
+                        "delivery interrupted by shutdown after the {:?} deadline",
+                        self.config.shutdown_deadline
+                    )
+                },
                 delay: None,
             })
             .collect();
