@@ -897,3 +897,25 @@ async fn an_engine_says_at_info_that_it_runs_and_what_it_serves() {
         "{line}"
     );
 }
+
+/// An app that embeds the engine stops it as the relay stops: the first SIGTERM (or Ctrl-C)
+/// cancels the graceful shutdown, the second the hard stop.
+#[tokio::test]
+async fn stop_on_signals_cancels_shutdown_then_hard_stop() {
+    let stop = postbox::engine::stop_on_signals();
+    let term = || {
+        std::process::Command::new("kill")
+            .args(["-TERM", &std::process::id().to_string()])
+            .status()
+            .unwrap()
+    };
+    term();
+    tokio::time::timeout(Duration::from_secs(10), stop.shutdown.cancelled())
+        .await
+        .expect("the first signal did not cancel shutdown");
+    assert!(!stop.hard_stop.is_cancelled());
+    term();
+    tokio::time::timeout(Duration::from_secs(10), stop.hard_stop.cancelled())
+        .await
+        .expect("the second signal did not cancel the hard stop");
+}

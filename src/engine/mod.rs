@@ -31,6 +31,7 @@ mod notifier;
 pub mod observer;
 mod pauses;
 mod producer;
+mod signals;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize};
@@ -44,6 +45,7 @@ pub use self::config::EngineConfig;
 pub use self::maintenance::{REPAIR_BATCH, Rescuer, Scheduler};
 pub use self::observer::{Counters, NoObserver, Observer, RunReport, Settlement};
 use self::producer::{InFlight, Producer, SinkHealth};
+pub use self::signals::{StopSignals, stop_on_signals};
 use crate::backoff::Backoff;
 #[cfg(feature = "cron")]
 use crate::cron::CronSchedule;
@@ -584,7 +586,7 @@ impl Engine {
                     |id| inflight.topic_of(id),
                     hard_stop.is_cancelled(),
                 )
-                    .await;
+                .await;
             }
         };
         let handed_back = tokio::select! {

@@ -4,7 +4,6 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use tokio_util::sync::CancellationToken;
 
 use super::RelayError;
 use super::cancel::CancelArgs;
@@ -137,23 +136,6 @@ fn settings(cli: &Cli) -> Result<Settings, RelayError> {
         .map_err(|e| RelayError::Usage(e.to_string()))
 }
 
-fn signals(shutdown: CancellationToken, hard_stop: CancellationToken) {
-    tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            return;
-        };
-        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
-        tracing::info!("shutting down (a second signal hands everything back at once)");
-        shutdown.cancel();
-        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
-        hard_stop.cancel();
-    });
-}
-
 /// Runs the command `cli` names.
 pub async fn execute(cli: Cli) -> Result<(), RelayError> {
     let settings = settings(&cli)?;
@@ -177,9 +159,8 @@ pub async fn execute(cli: Cli) -> Result<(), RelayError> {
             );
         }
         Command::Run { drain } => {
-            let (shutdown, hard_stop) = (CancellationToken::new(), CancellationToken::new());
-            signals(shutdown.clone(), hard_stop.clone());
-            super::run(settings, drain, shutdown, hard_stop).await?;
+            let stop = crate::engine::stop_on_signals();
+            super::run(settings, drain, stop.shutdown, stop.hard_stop).await?;
         }
         Command::Status { json, all } => super::status::run(&settings, json, all).await?,
         Command::Check { json } => super::check::run(&settings, json).await?,

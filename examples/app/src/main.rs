@@ -13,9 +13,9 @@ use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
+use postbox::Message;
 use postbox::engine::Engine;
 use postbox::sink::handlers::{HandlerError, Handlers, Job};
-use postbox::{CancellationToken, Message};
 use serde::{Deserialize, Serialize};
 
 type Pool = bb8::Pool<AsyncDieselConnectionManager<AsyncPgConnection>>;
@@ -110,8 +110,10 @@ async fn main() -> anyhow::Result<()> {
         .handlers(handlers)
         .build()
         .await?;
-    let stop = CancellationToken::new();
-    let worker = tokio::spawn(engine.run(stop.clone()));
+    // SIGTERM or Ctrl-C stops it gracefully (a second one at once); this demo also stops it
+    // itself once every confirmation is sent.
+    let stop = postbox::engine::stop_on_signals();
+    let worker = tokio::spawn(engine.run_until(stop.shutdown.clone(), stop.hard_stop.clone()));
 
     let n = 200;
     let started = Instant::now();
@@ -126,7 +128,7 @@ async fn main() -> anyhow::Result<()> {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    stop.cancel();
+    stop.shutdown.cancel();
     let report = worker.await??;
     println!(
         "placed {n} orders, sent {} confirmations in {:.2?} ({report:?})",
