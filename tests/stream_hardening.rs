@@ -695,3 +695,40 @@ fn publish_n_unchecked(db: &TestDb, n: i64) {
         r#"SELECT pg_logical_emit_message(true, 'postbox', '{{"v":1,"topic":"rev.a","payload":{{"n":{n}}}}}')"#
     ));
 }
+
+/// `stream drop` says what it leaves behind: nothing after a relay stopped cleanly, the count of
+/// messages no relay streamed otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_drop_says_how_many_messages_it_leaves_undelivered() {
+    let server = logical();
+    let db = stream_db(&server).await;
+    let mut relay = Relay::start(&db.url, REV_ONLY);
+    publish(&db, "rev.a", 1);
+    assert!(
+        relay.wait_lines(1, Duration::from_secs(30)),
+        "{}",
+        relay.log()
+    );
+    relay.terminate();
+    let inactive = || {
+        db.scalar(
+            "SELECT count(*) AS v FROM pg_replication_slots WHERE slot_name = 'postbox' AND active",
+        ) == 0
+    };
+    assert!(wait(Duration::from_secs(20), inactive));
+    let out = cli(&db, &["stream", "drop"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && err.contains("every message published before it was delivered"),
+        "{err}"
+    );
+    assert!(cli(&db, &["stream", "setup"]).status.success());
+    publish(&db, "rev.a", 2);
+    publish(&db, "rev.a", 3);
+    let out = cli(&db, &["stream", "drop"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && err.contains("2 message(s) published after"),
+        "{err}"
+    );
+}

@@ -156,15 +156,33 @@ pub async fn run(settings: &Settings, command: StreamCommand) -> Result<()> {
                 )));
             }
         }
-        StreamCommand::Drop => match store.stream_drop(&s.slot).await.map_err(setup_error)? {
-            Some(was) => eprintln!(
-                "slot {} dropped; messages published after {} (up to {}) were not delivered",
-                s.slot,
-                was.confirmed_lsn.as_deref().unwrap_or("its last position"),
-                was.current_lsn
-            ),
-            None => eprintln!("slot {} was not set up; nothing dropped", s.slot),
-        },
+        StreamCommand::Drop => {
+            // What the slot still holds, read before it goes (the server decodes it again).
+            let unread = store
+                .stream_unread_messages(&s.slot, &s.publication)
+                .await
+                .unwrap_or(None);
+            match store.stream_drop(&s.slot).await.map_err(setup_error)? {
+                Some(was) => {
+                    let from = was.confirmed_lsn.as_deref().unwrap_or("its last position");
+                    match unread {
+                        Some(0) => eprintln!(
+                            "slot {} dropped; every message published before it was delivered",
+                            s.slot
+                        ),
+                        Some(n) => eprintln!(
+                            "slot {} dropped; {n} message(s) published after {from} (up to {}) were not delivered",
+                            s.slot, was.current_lsn
+                        ),
+                        None => eprintln!(
+                            "slot {} dropped; messages published after {from} (up to {}) may not have been delivered (the server could not say)",
+                            s.slot, was.current_lsn
+                        ),
+                    }
+                }
+                None => eprintln!("slot {} was not set up; nothing dropped", s.slot),
+            }
+        }
     }
     Ok(())
 }

@@ -214,3 +214,34 @@ impl Store {
         Ok(f.flag)
     }
 }
+
+impl Store {
+    /// How many postbox messages `slot` holds that no relay confirmed yet, read without consuming
+    /// them (`pg_logical_slot_peek_binary_changes`; needs the REPLICATION attribute, and the slot
+    /// not streamed right now). `None` when the server cannot say (the slot is streamed, or stuck
+    /// on WAL it cannot decode).
+    pub async fn stream_unread_messages(
+        &self,
+        slot: &str,
+        publication: &str,
+    ) -> Result<Option<u64>> {
+        #[derive(QueryableByName)]
+        struct N {
+            #[diesel(sql_type = BigInt)]
+            n: i64,
+        }
+        // A pgoutput message: 'M', flags, its position, then the prefix, NUL-terminated.
+        let n: std::result::Result<N, _> = diesel::sql_query(
+            "SELECT count(*) FILTER (
+                        WHERE get_byte(data, 0) = 77
+                          AND position('\\x706f7374626f7800'::bytea IN substring(data FROM 11 FOR 8)) = 1)::bigint AS n
+             FROM pg_catalog.pg_logical_slot_peek_binary_changes(
+                      $1, NULL, NULL, 'proto_version', '1', 'publication_names', $2, 'messages', 'true')",
+        )
+        .bind::<Text, _>(slot)
+        .bind::<Text, _>(publication)
+        .get_result(&mut *self.conn().await?)
+        .await;
+        Ok(n.ok().map(|n| position(n.n)))
+    }
+}
