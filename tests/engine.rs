@@ -919,3 +919,36 @@ async fn stop_on_signals_cancels_shutdown_then_hard_stop() {
         .await
         .expect("the second signal did not cancel the hard stop");
 }
+
+/// A pool of the app's whose connections run transactions above READ COMMITTED would break the
+/// engine's claims under limits and its promotions: `build()` refuses it, naming the setting and
+/// the way to build the pool.
+#[tokio::test]
+async fn an_app_pool_without_postbox_session_settings_is_refused_or_warned_at_build() {
+    let db = TestDb::migrated();
+    db.exec(&format!(
+        "ALTER DATABASE {} SET default_transaction_isolation = 'repeatable read'",
+        db.name
+    ));
+    let manager = diesel_async::pooled_connection::AsyncDieselConnectionManager::<
+        diesel_async::AsyncPgConnection,
+    >::new(&db.url);
+    let pool = bb8::Pool::builder()
+        .max_size(2)
+        .build(manager)
+        .await
+        .unwrap();
+    let e = match Engine::builder(&db.url)
+        .pool(pool)
+        .handlers(Handlers::new().on("t", |_: Job<()>| async { Ok(()) }))
+        .build()
+        .await
+    {
+        Ok(_) => panic!("built on a repeatable-read pool"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.starts_with("pool:") && e.contains("read committed") && e.contains("custom_setup"),
+        "{e}"
+    );
+}

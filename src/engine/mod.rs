@@ -87,7 +87,17 @@ impl EngineBuilder {
         self.store = Some(store);
         self
     }
-    /// Uses this pool instead of opening one.
+    /// Uses this pool instead of opening one: a bb8 pool of diesel-async connections (other
+    /// pools are not supported). Its connections need postbox's session settings, which
+    /// [`establish`](crate::store::connect::establish) gives when it is the manager's
+    /// `custom_setup` (as `examples/app` does): `default_transaction_isolation = 'read
+    /// committed'` (without it a claim under a running limit fails and an ordered key's promotion
+    /// may miss a commit: [`build`](Self::build) refuses such a pool), `postbox.promotes_heads =
+    /// 'caller'` (without it each settle of an ordered message promotes twice), a
+    /// `statement_timeout` (without one a claim waiting on a lock waits for ever; both warned at
+    /// `build`), and `synchronous_commit = off`, which the app's own transactions on the pool get
+    /// too (they still commit whole or not at all, but a server crash can lose the last moments
+    /// of commits): an app that wants its commits synchronous lets the engine open its own pool.
     pub fn pool(mut self, pool: Pool) -> Self {
         self.pool = Some(pool);
         self
@@ -224,11 +234,28 @@ impl EngineBuilder {
                 problem: format!("sink {:?} serves no topics", sink.name()),
             });
         }
+        let given = self.store.is_some() || self.pool.is_some();
         let mut store = match (self.store, self.pool) {
             (Some(s), _) => s,
             (None, Some(p)) => Store::new(p),
             (None, None) => Store::connect(&self.database_url, DEFAULT_POOL_SIZE).await?,
         };
+        if given {
+            // A pool of the app's: its connections may lack the store's session settings.
+            let (missing, fatal) = store.missing_session_settings().await?;
+            if fatal {
+                return Err(Error::InvalidArgument {
+                    field: "pool",
+                    problem: format!(
+                        "its connections lack postbox's session settings: {}; build the pool with `postbox::store::connect::establish` as its manager's custom_setup (as examples/app does), or let the engine open its own pool",
+                        missing.join("; ")
+                    ),
+                });
+            }
+            if !missing.is_empty() {
+                tracing::warn!(missing = %missing.join("; "), "the engine's pool lacks postbox's session settings: build it with `postbox::store::connect::establish` as its manager's custom_setup");
+            }
+        }
         if let Some(b) = self.backoff {
             store = store.with_backoff(b)?;
         }
