@@ -377,6 +377,45 @@ mod tls {
     }
 }
 
+#[cfg(feature = "async")]
+impl super::Store {
+    /// What a connection of this store's pool lacks of [`SESSION`]'s settings, each with what
+    /// goes wrong without it (empty when it has them; a pool built with [`establish`] as its
+    /// manager's `custom_setup` has them all). `fatal` when one breaks the engine's promises
+    /// rather than its speed.
+    pub async fn missing_session_settings(&self) -> crate::Result<(Vec<String>, bool)> {
+        use diesel::QueryableByName;
+        use diesel_async::RunQueryDsl;
+        #[derive(QueryableByName)]
+        struct Settings {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            read_committed: bool,
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            promotes: bool,
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            timeout: bool,
+        }
+        let s: Settings = diesel::sql_query(
+            "SELECT current_setting('default_transaction_isolation') = 'read committed' AS read_committed,
+                    current_setting('postbox.promotes_heads', true) IS NOT DISTINCT FROM 'caller' AS promotes,
+                    current_setting('statement_timeout') NOT IN ('0', '0ms') AS timeout",
+        )
+        .get_result(&mut *self.conn().await?)
+        .await?;
+        let mut missing = Vec::new();
+        if !s.read_committed {
+            missing.push("default_transaction_isolation = 'read committed' (without it a claim under a running limit fails, and an ordered key's promotion may not see the commit it waited for)".to_owned());
+        }
+        if !s.promotes {
+            missing.push("postbox.promotes_heads = 'caller' (without it each settle of an ordered message promotes its key's next message twice: in a trigger, then again in the engine's own statement)".to_owned());
+        }
+        if !s.timeout {
+            missing.push("a statement_timeout (without one a claim waiting on a lock of the table, a migration's, waits for ever)".to_owned());
+        }
+        Ok((missing, !s.read_committed))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -478,44 +517,5 @@ mod tests {
             (TlsMode::Off, "host=h dbname=db".into())
         );
         assert!(tls_mode("host=h sslmode=require").is_err());
-    }
-}
-
-#[cfg(feature = "async")]
-impl super::Store {
-    /// What a connection of this store's pool lacks of [`SESSION`]'s settings, each with what
-    /// goes wrong without it (empty when it has them; a pool built with [`establish`] as its
-    /// manager's `custom_setup` has them all). `fatal` when one breaks the engine's promises
-    /// rather than its speed.
-    pub async fn missing_session_settings(&self) -> crate::Result<(Vec<String>, bool)> {
-        use diesel::QueryableByName;
-        use diesel_async::RunQueryDsl;
-        #[derive(QueryableByName)]
-        struct Settings {
-            #[diesel(sql_type = diesel::sql_types::Bool)]
-            read_committed: bool,
-            #[diesel(sql_type = diesel::sql_types::Bool)]
-            promotes: bool,
-            #[diesel(sql_type = diesel::sql_types::Bool)]
-            timeout: bool,
-        }
-        let s: Settings = diesel::sql_query(
-            "SELECT current_setting('default_transaction_isolation') = 'read committed' AS read_committed,
-                    current_setting('postbox.promotes_heads', true) IS NOT DISTINCT FROM 'caller' AS promotes,
-                    current_setting('statement_timeout') NOT IN ('0', '0ms') AS timeout",
-        )
-        .get_result(&mut *self.conn().await?)
-        .await?;
-        let mut missing = Vec::new();
-        if !s.read_committed {
-            missing.push("default_transaction_isolation = 'read committed' (without it a claim under a running limit fails, and an ordered key's promotion may not see the commit it waited for)".to_owned());
-        }
-        if !s.promotes {
-            missing.push("postbox.promotes_heads = 'caller' (without it each settle of an ordered message promotes its key's next message twice: in a trigger, then again in the engine's own statement)".to_owned());
-        }
-        if !s.timeout {
-            missing.push("a statement_timeout (without one a claim waiting on a lock of the table, a migration's, waits for ever)".to_owned());
-        }
-        Ok((missing, !s.read_committed))
     }
 }
