@@ -369,7 +369,7 @@ impl Engine {
     ) -> Result<RunReport> {
         tracing::info!(
             sink = %self.sink.name(),
-            topics = ?self.sink.topics(),
+            topics = %self.sink.topics().patterns_and::<&str>(&[]).join(", "),
             concurrency = self.config.concurrency,
             "postbox engine running"
         );

@@ -10,6 +10,8 @@
 //! would feed each other). Each record first checks the slot against the old limit, so a slot
 //! replaced while a relay streams is found at its next record.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use pgwire_replication::{Lsn, ReplicationClient};
@@ -55,6 +57,9 @@ pub(super) struct Guard {
     limit: Option<u64>,
     /// What this relay confirmed without a record (a server that shut down asked for it).
     unrecorded: u64,
+    /// What a record being made reads when it runs (not when it was started: it may wait out a
+    /// pause first): the target, what was confirmed, and `unrecorded`.
+    shared: Arc<[AtomicU64; 3]>,
     /// The highest position asked to be confirmed in this session.
     wanted: u64,
     /// The highest position delivered batches asked for.
@@ -75,6 +80,7 @@ impl Guard {
             slot,
             limit: None,
             unrecorded: 0,
+            shared: Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]),
             wanted: 0,
             delivered: 0,
             applied: 0,
@@ -222,6 +228,7 @@ impl Guard {
             self.applied = to;
             report.confirmed = Some(lsn_text(Lsn(to)));
         }
+        self.share();
     }
 
     fn record_if_needed(&mut self) {
@@ -229,9 +236,13 @@ impl Guard {
             return;
         }
         let needed = match self.limit {
-            None => self.wanted > 0,
+            None => self.wanted > 0 || self.unrecorded > 0,
+            // What was confirmed unrecorded when a server shut down is recorded as soon as a
+            // record can be made (another relay would take it for a slot not postbox's).
             Some(limit) => {
-                self.delivered > limit || self.wanted >= limit.saturating_add(IDLE_SLACK)
+                self.delivered > limit
+                    || self.unrecorded > limit
+                    || self.wanted >= limit.saturating_add(IDLE_SLACK)
             }
         };
         if needed {
@@ -253,11 +264,19 @@ impl Guard {
         self.unrecorded
     }
 
+    /// Publishes what a record reads when it runs.
+    fn share(&self) {
+        self.shared[0].store(self.wanted.max(self.unrecorded), Ordering::Relaxed);
+        self.shared[1].store(self.applied, Ordering::Relaxed);
+        self.shared[2].store(self.unrecorded, Ordering::Relaxed);
+    }
+
     fn start_record(&mut self, wait: Duration) {
-        let (store, slot) = (self.store.clone(), self.slot.clone());
-        let (target, confirmed, ours) = (self.wanted, self.applied, self.unrecorded);
+        let (store, slot, shared) = (self.store.clone(), self.slot.clone(), self.shared.clone());
+        self.share();
         self.recording = Some(tokio::spawn(async move {
             tokio::time::sleep(wait).await;
+            let [target, confirmed, ours] = [0, 1, 2].map(|i| shared[i].load(Ordering::Relaxed));
             match tokio::time::timeout(
                 RECORD_TIMEOUT,
                 store.stream_slot_record(&slot, Some(target), confirmed, ours),
