@@ -176,7 +176,10 @@ pub(super) fn skip_to_now(url: &str) {
     PgConnection::establish(url)
         .unwrap()
         .batch_execute(&format!(
-            "CHECKPOINT; SELECT pg_replication_slot_advance('{SLOT}', pg_current_wal_lsn())"
+            "CHECKPOINT; SELECT pg_replication_slot_advance('{SLOT}', pg_current_wal_lsn());
+             -- Moved by hand, on purpose: the relay's record starts again from here.
+             UPDATE postbox.stream_slots SET confirm_limit = NULL, confirmed_before = NULL,
+                 gap_from = NULL, gap_to = NULL, gap_found_at = NULL WHERE slot_name = '{SLOT}'"
         ))
         .unwrap();
 }

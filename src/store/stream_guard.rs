@@ -67,6 +67,81 @@ LEFT JOIN pg_catalog.pg_replication_slots s
        ON s.slot_name = r.slot_name AND s.database = current_database()
 WHERE r.slot_name = $1";
 
+/// A record in one statement (one round trip: a busy stream's confirmations wait for it),
+/// committed durably: the slot's position is read, the row locked by the update, a gap found
+/// against the row's limit as it is when locked.
+const RECORD: &str = "
+WITH s AS (
+    SELECT set_config('synchronous_commit', 'on', true) AS durable,
+           (SELECT confirmed_flush_lsn FROM pg_catalog.pg_replication_slots
+            WHERE slot_name = $1 AND database = current_database()) AS at,
+           '0/0'::pg_lsn + $2::numeric AS target,
+           '0/0'::pg_lsn + $3::numeric AS confirmed,
+           '0/0'::pg_lsn + $4::numeric AS ours
+)
+UPDATE postbox.stream_slots r
+SET gap_from = CASE WHEN s.at > r.confirm_limit AND s.at > s.ours
+                    THEN LEAST(r.gap_from, coalesce(r.confirmed_before, r.confirm_limit))
+                    ELSE r.gap_from END,
+    gap_to = CASE WHEN s.at > r.confirm_limit AND s.at > s.ours
+                  THEN GREATEST(r.gap_to, s.at) ELSE r.gap_to END,
+    gap_found_at = CASE WHEN s.at > r.confirm_limit AND s.at > s.ours
+                        THEN now() ELSE r.gap_found_at END,
+    confirm_limit = CASE WHEN s.at > r.confirm_limit AND s.at > s.ours
+                         THEN GREATEST(s.at, s.target)
+                         ELSE GREATEST(r.confirm_limit, s.target, LEAST(s.at, s.ours)) END,
+    confirmed_before = CASE WHEN s.at > r.confirm_limit AND s.at > s.ours
+                            THEN s.at ELSE GREATEST(r.confirmed_before, s.confirmed) END
+FROM s
+WHERE r.slot_name = $1 AND s.at IS NOT NULL AND s.durable IS NOT NULL
+RETURNING r.gap_found_at IS NOT DISTINCT FROM now() AS gap_now,
+          coalesce(r.gap_from::text, '') AS gap_from, coalesce(r.gap_to::text, '') AS gap_to,
+          (r.confirm_limit - '0/0'::pg_lsn)::bigint AS confirm_limit";
+
+#[derive(QueryableByName)]
+struct Recorded {
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    gap_now: bool,
+    #[diesel(sql_type = Text)]
+    gap_from: String,
+    #[diesel(sql_type = Text)]
+    gap_to: String,
+    #[diesel(sql_type = BigInt)]
+    confirm_limit: i64,
+}
+
+async fn record(
+    conn: &mut diesel_async::AsyncPgConnection,
+    slot: &str,
+    target: u64,
+    confirmed: u64,
+    ours: u64,
+) -> Result<SlotRecord> {
+    let row: Option<Recorded> = diesel::sql_query(RECORD)
+        .bind::<Text, _>(slot)
+        .bind::<BigInt, _>(lsn(target))
+        .bind::<BigInt, _>(lsn(confirmed))
+        .bind::<BigInt, _>(lsn(ours))
+        .get_result(conn)
+        .await
+        .map(Some)
+        .or_else(|e| match e {
+            diesel::result::Error::NotFound => Ok(None),
+            e => Err(e),
+        })?;
+    Ok(match row {
+        None => SlotRecord::Missing,
+        Some(r) if r.gap_now => SlotRecord::Gap {
+            from: r.gap_from,
+            to: r.gap_to,
+            limit: position(r.confirm_limit),
+        },
+        Some(r) => SlotRecord::Ours {
+            limit: Some(position(r.confirm_limit)),
+        },
+    })
+}
+
 fn lsn(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
@@ -125,6 +200,9 @@ impl Store {
                     });
                 }
             }
+        }
+        if let Some(target) = target {
+            return record(&mut conn, slot, target, confirmed, ours).await;
         }
         conn.transaction::<_, Error, _>(async |c| {
             diesel::sql_query("SET LOCAL synchronous_commit = on")

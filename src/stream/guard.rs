@@ -22,8 +22,8 @@ use super::relay::lsn_text;
 use crate::store::{SlotRecord, Store};
 
 /// The least time between two records of the confirmation limit (a busy stream records at most
-/// twenty times a second).
-pub const RECORD_EVERY: Duration = Duration::from_millis(50);
+/// a hundred times a second, as often as it confirms).
+pub const RECORD_EVERY: Duration = Duration::from_millis(10);
 
 /// How far a keepalive's position may pass the limit before it is recorded: the slot of an idle
 /// stream stays at most this far behind the server.
@@ -64,6 +64,9 @@ pub(super) struct Guard {
     wanted: u64,
     /// The highest position delivered batches asked for.
     delivered: u64,
+    /// The highest position of a batch handed to delivery: recorded while it is delivered, so
+    /// its confirmation does not wait for a record after it.
+    ahead: u64,
     /// The position last handed to the replication client in this session.
     applied: u64,
     recording: Option<Recording>,
@@ -83,6 +86,7 @@ impl Guard {
             shared: Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]),
             wanted: 0,
             delivered: 0,
+            ahead: 0,
             applied: 0,
             recording: None,
             last_record: None,
@@ -96,6 +100,7 @@ impl Guard {
     pub(super) fn session_started(&mut self) {
         self.wanted = 0;
         self.delivered = 0;
+        self.ahead = 0;
         self.applied = 0;
     }
 
@@ -121,6 +126,16 @@ impl Guard {
         }
         self.wanted = self.wanted.max(lsn.0);
         self.apply(client, report);
+        self.record_if_needed();
+    }
+
+    /// A transaction of postbox messages was read (or a batch goes to delivery) up to `lsn`: its
+    /// position is recorded while it is delivered. (The limit then covers what was read and not
+    /// delivered yet: a slot advanced by hand to a position inside that, while no relay runs, is
+    /// not told apart; one moved to the server's position is.)
+    pub(super) fn delivering(&mut self, lsn: Lsn) {
+        self.ahead = self.ahead.max(lsn.0);
+        self.share();
         self.record_if_needed();
     }
 
@@ -236,11 +251,12 @@ impl Guard {
             return;
         }
         let needed = match self.limit {
-            None => self.wanted > 0 || self.unrecorded > 0,
+            None => self.wanted > 0 || self.ahead > 0 || self.unrecorded > 0,
             // What was confirmed unrecorded when a server shut down is recorded as soon as a
             // record can be made (another relay would take it for a slot not postbox's).
             Some(limit) => {
                 self.delivered > limit
+                    || self.ahead > limit
                     || self.unrecorded > limit
                     || self.wanted >= limit.saturating_add(IDLE_SLACK)
             }
@@ -266,7 +282,10 @@ impl Guard {
 
     /// Publishes what a record reads when it runs.
     fn share(&self) {
-        self.shared[0].store(self.wanted.max(self.unrecorded), Ordering::Relaxed);
+        self.shared[0].store(
+            self.wanted.max(self.unrecorded).max(self.ahead),
+            Ordering::Relaxed,
+        );
         self.shared[1].store(self.applied, Ordering::Relaxed);
         self.shared[2].store(self.unrecorded, Ordering::Relaxed);
     }

@@ -220,6 +220,11 @@ impl Streamer {
                     }
                 }
                 ReplicationEvent::Commit { end_lsn, .. } => {
+                    // A transaction of postbox messages read: its position is recorded while it
+                    // is delivered (its confirmation then need not wait for a record).
+                    if tx.is_some_and(|(_, _, n)| n > 0) {
+                        guard.delivering(end_lsn);
+                    }
                     tx = None;
                     if !batch.items.is_empty() {
                         batch.confirm_at = Some(end_lsn);
@@ -289,6 +294,9 @@ impl Streamer {
         let Batch {
             items, confirm_at, ..
         } = std::mem::take(batch);
+        if let Some(l) = confirm_at {
+            guard.delivering(l);
+        }
         let route = Route {
             store: self.store.clone(),
             sinks: self.sinks.clone(),
