@@ -10,7 +10,7 @@ use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel_async::RunQueryDsl;
 
 use super::Store;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// What a check (and record) of the confirmation limit found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,22 +41,6 @@ struct Row {
     confirm_limit: Option<i64>,
     #[diesel(sql_type = Nullable<BigInt>)]
     at: Option<i64>,
-}
-
-#[derive(QueryableByName)]
-struct GapRow {
-    #[diesel(sql_type = Text)]
-    gap_from: String,
-    #[diesel(sql_type = Text)]
-    gap_to: String,
-    #[diesel(sql_type = BigInt)]
-    confirm_limit: i64,
-}
-
-#[derive(QueryableByName)]
-struct LimitRow {
-    #[diesel(sql_type = BigInt)]
-    confirm_limit: i64,
 }
 
 const READ: &str = "
@@ -165,7 +149,6 @@ impl Store {
         confirmed: u64,
         ours: u64,
     ) -> Result<SlotRecord> {
-        use diesel_async::AsyncConnection;
         let mut conn = self.conn().await?;
         let mut target = target;
         if target.is_none() {
@@ -201,78 +184,8 @@ impl Store {
                 }
             }
         }
-        if let Some(target) = target {
-            return record(&mut conn, slot, target, confirmed, ours).await;
-        }
-        conn.transaction::<_, Error, _>(async |c| {
-            diesel::sql_query("SET LOCAL synchronous_commit = on")
-                .execute(c)
-                .await?;
-            // Locked: a relay that confirms waits for this record, and another relay's check
-            // sees it whole. The slot's position is read after the lock is held.
-            let row: Option<Row> = diesel::sql_query(format!("{READ} FOR UPDATE OF r"))
-                .bind::<Text, _>(slot)
-                .get_result(c)
-                .await
-                .map(Some)
-                .or_else(|e| match e {
-                    diesel::result::Error::NotFound => Ok(None),
-                    e => Err(e),
-                })?;
-            let Some(Row {
-                confirm_limit,
-                at: Some(at),
-            }) = row
-            else {
-                return Ok(SlotRecord::Missing);
-            };
-            if confirm_limit.is_some_and(|limit| at > limit) && position(at) > ours {
-                let gap: GapRow = diesel::sql_query(
-                    "UPDATE postbox.stream_slots
-                     SET gap_from = LEAST(gap_from, coalesce(confirmed_before, confirm_limit)),
-                         gap_to = GREATEST(gap_to, '0/0'::pg_lsn + $2::numeric),
-                         gap_found_at = now(),
-                         confirm_limit = GREATEST('0/0'::pg_lsn + $2::numeric, '0/0'::pg_lsn + $3::numeric),
-                         confirmed_before = '0/0'::pg_lsn + $2::numeric
-                     WHERE slot_name = $1
-                     RETURNING gap_from::text AS gap_from, gap_to::text AS gap_to,
-                               (confirm_limit - '0/0'::pg_lsn)::bigint AS confirm_limit",
-                )
-                .bind::<Text, _>(slot)
-                .bind::<BigInt, _>(at)
-                .bind::<BigInt, _>(lsn(target.unwrap_or(0)))
-                .get_result(c)
-                .await?;
-                return Ok(SlotRecord::Gap {
-                    from: gap.gap_from,
-                    to: gap.gap_to,
-                    limit: position(gap.confirm_limit),
-                });
-            }
-            let Some(target) = target else {
-                return Ok(SlotRecord::Ours {
-                    limit: confirm_limit.map(position),
-                });
-            };
-            let limit: LimitRow = diesel::sql_query(
-                "UPDATE postbox.stream_slots
-                 SET confirm_limit = GREATEST(confirm_limit, '0/0'::pg_lsn + $2::numeric,
-                                              '0/0'::pg_lsn + $4::numeric),
-                     confirmed_before = GREATEST(confirmed_before, '0/0'::pg_lsn + $3::numeric)
-                 WHERE slot_name = $1
-                 RETURNING (confirm_limit - '0/0'::pg_lsn)::bigint AS confirm_limit",
-            )
-            .bind::<Text, _>(slot)
-            .bind::<BigInt, _>(lsn(target))
-            .bind::<BigInt, _>(lsn(confirmed))
-            .bind::<BigInt, _>(at.min(lsn(ours)))
-            .get_result(c)
-            .await?;
-            Ok(SlotRecord::Ours {
-                limit: Some(position(limit.confirm_limit)),
-            })
-        })
-        .await
+        // Recorded, or suspected: the statement checks again under the row's lock.
+        record(&mut conn, slot, target.unwrap_or(0), confirmed, ours).await
     }
 
     /// Whether this role may record the confirmation limit (UPDATE on `postbox.stream_slots`):
