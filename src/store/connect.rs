@@ -379,7 +379,7 @@ mod tls {
 
 #[cfg(feature = "async")]
 impl super::Store {
-    /// What a connection of this store's pool lacks of [`SESSION`]'s settings, each with what
+    /// What a connection of this store's pool lacks of the store's session settings, each with what
     /// goes wrong without it (empty when it has them; a pool built with [`establish`] as its
     /// manager's `custom_setup` has them all). `fatal` when one breaks the engine's promises
     /// rather than its speed.
