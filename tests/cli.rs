@@ -877,7 +877,7 @@ fn dashboard_and_alerts_use_only_exported_metrics(scrape: &str) {
         .filter_map(|l| l.trim().strip_prefix("expr:"))
         .map(str::to_owned)
         .collect();
-    assert_eq!(exprs.len(), 14, "one expression per alert");
+    assert_eq!(exprs.len(), 15, "one expression per alert");
     for q in queries.iter().chain(&exprs) {
         // The stream's metrics are exported by a relay that streams: tests/stream.rs checks them.
         let names = q
