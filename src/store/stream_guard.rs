@@ -5,8 +5,8 @@
 //! confirmed by postbox, and the range from the last position postbox had confirmed to the slot's
 //! may never have been streamed.
 
-use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Nullable, Text};
+use diesel::{OptionalExtension, QueryableByName};
 use diesel_async::RunQueryDsl;
 
 use super::Store;
@@ -108,11 +108,7 @@ async fn record(
         .bind::<BigInt, _>(lsn(ours))
         .get_result(conn)
         .await
-        .map(Some)
-        .or_else(|e| match e {
-            diesel::result::Error::NotFound => Ok(None),
-            e => Err(e),
-        })?;
+        .optional()?;
     Ok(match row {
         None => SlotRecord::Missing,
         Some(r) if r.gap_now => SlotRecord::Gap {
@@ -157,11 +153,7 @@ impl Store {
                 .bind::<Text, _>(slot)
                 .get_result(&mut *conn)
                 .await
-                .map(Some)
-                .or_else(|e| match e {
-                    diesel::result::Error::NotFound => Ok(None),
-                    e => Err(e),
-                })?;
+                .optional()?;
             match row {
                 None
                 | Some(Row {
