@@ -660,7 +660,9 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
     let db = TestDb::empty();
     let mut conn = db.conn();
     // The previous schema, with messages in every state it had.
-    conn.run_next_migration(postbox::MIGRATIONS).unwrap();
+    postbox::Migrations::new(&mut conn)
+        .run_next_migration(postbox::MIGRATIONS)
+        .unwrap();
     conn.batch_execute(
         "INSERT INTO postbox.messages (topic, payload) VALUES ('a', '1');
          INSERT INTO postbox.messages (topic, payload, run_at) VALUES ('a', '2', now() + interval '1 hour');
@@ -745,31 +747,82 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
         "INSERT INTO postbox.messages (topic, key, ordered) VALUES ('o', 'k', true), ('o', 'k', true);
          INSERT INTO postbox.messages (topic, run_at) VALUES ('a', now() + interval '1 hour')",
     );
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // stream slot guard
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // ready positions
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // publish checks the publication
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // dead letter stream header
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // dead letter stream key
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // dead letter stream id
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // pins review
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // turns
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // head pins
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // least privilege
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // stream dead letters
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // stream
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // claim order
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // claim order index
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // limited claims
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // one promotion
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // hold ids uncompressed
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // completed retention
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // running limits
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // cron schedules
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // pause and cancel
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // hand-over settle path
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // held batches
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // hand-over
-    conn.revert_last_migration(postbox::MIGRATIONS).unwrap(); // state model
+    let mut migrations = postbox::Migrations::new(&mut conn);
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // stream slot guard
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // ready positions
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // publish checks the publication
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // dead letter stream header
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // dead letter stream key
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // dead letter stream id
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // pins review
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // turns
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // head pins
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // least privilege
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // stream dead letters
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // stream
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // claim order
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // claim order index
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // limited claims
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // one promotion
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // hold ids uncompressed
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // completed retention
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // running limits
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // cron schedules
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // pause and cancel
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // hand-over settle path
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // held batches
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // hand-over
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // state model
     assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 3);
     assert_eq!(
         db.scalar(

@@ -382,7 +382,9 @@ fn migrations_run_sync_are_idempotent_and_revert() {
     let mut conn = db.conn();
     assert_eq!(postbox::migrate(&mut conn).unwrap().len(), migrations());
     assert!(postbox::migrate(&mut conn).unwrap().is_empty());
-    conn.revert_all_migrations(postbox::MIGRATIONS).unwrap();
+    postbox::Migrations::new(&mut conn)
+        .revert_all_migrations(postbox::MIGRATIONS)
+        .unwrap();
     assert_eq!(
         db.scalar("SELECT count(*) AS v FROM pg_namespace WHERE nspname = 'postbox'"),
         0,
@@ -390,6 +392,90 @@ fn migrations_run_sync_are_idempotent_and_revert() {
     );
     assert_eq!(postbox::migrate(&mut conn).unwrap().len(), migrations());
     db.exec("INSERT INTO postbox.messages (topic) VALUES ('t')");
+}
+
+/// postbox keeps its own bookkeeping (`postbox.schema_migrations`) and never the app's: on a
+/// database an earlier release migrated into the app's `__diesel_schema_migrations`, between app
+/// migrations before and after postbox's, `migrate` moves postbox's records out; the app's
+/// migration of the same version as one of postbox's (which diesel skipped) then runs, and the
+/// app's harness reverts all of its own, which stopped at postbox's latest version before.
+#[test]
+fn postbox_keeps_its_migrations_apart_from_the_apps() {
+    use diesel_migrations::{FileBasedMigrations, MigrationHarness};
+    let app = || {
+        FileBasedMigrations::from_path(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/app_migrations"))
+            .unwrap()
+    };
+    let table = |db: &TestDb, name: &str| {
+        db.scalar(&format!(
+            "SELECT count(*) AS v FROM pg_tables WHERE schemaname = 'public' AND tablename = '{name}'"
+        ))
+    };
+    let db = TestDb::empty();
+    let mut conn = db.conn();
+    // As an app did with the earlier release: its first migration, postbox's in its own table,
+    // then the rest of its own.
+    conn.run_next_migration(app()).unwrap();
+    conn.run_pending_migrations(postbox::MIGRATIONS).unwrap();
+    conn.run_pending_migrations(app()).unwrap();
+    assert_eq!(table(&db, "app_after"), 1);
+    assert_eq!(
+        table(&db, "app_same_version"),
+        0,
+        "diesel skipped the app's migration of postbox's version"
+    );
+    let stuck = conn
+        .revert_last_migration(app())
+        .and_then(|_| conn.revert_last_migration(app()));
+    assert!(
+        stuck
+            .unwrap_err()
+            .to_string()
+            .contains("Unable to find migration version"),
+        "the app's revert stops at postbox's version"
+    );
+    conn.run_pending_migrations(app()).unwrap();
+
+    // This release: nothing pending, the records moved.
+    assert!(postbox::migrate(&mut conn).unwrap().is_empty());
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.schema_migrations"),
+        migrations() as i64
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM __diesel_schema_migrations"),
+        2,
+        "the app's own two records stay, postbox's left"
+    );
+    conn.run_pending_migrations(app()).unwrap();
+    assert_eq!(
+        table(&db, "app_same_version"),
+        1,
+        "the app's skipped migration ran"
+    );
+    conn.revert_all_migrations(app()).unwrap();
+    for t in ["app_before", "app_same_version", "app_after"] {
+        assert_eq!(table(&db, t), 0, "{t} reverted");
+    }
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM __diesel_schema_migrations"),
+        0
+    );
+    // postbox is untouched by it, still migrated, and migrates on a database of its own too.
+    assert!(postbox::migrate(&mut conn).unwrap().is_empty());
+    db.exec("INSERT INTO postbox.messages (topic) VALUES ('t')");
+    let fresh = TestDb::empty();
+    assert_eq!(
+        postbox::migrate(&mut fresh.conn()).unwrap().len(),
+        migrations()
+    );
+    assert_eq!(
+        fresh.scalar(
+            "SELECT count(*) AS v FROM pg_tables WHERE tablename = '__diesel_schema_migrations'"
+        ),
+        0,
+        "postbox created no table of diesel's"
+    );
 }
 
 /// diesel's harness runs on a blocking thread: a current-thread runtime (as `#[tokio::main(flavor =

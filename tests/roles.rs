@@ -713,26 +713,45 @@ fn migrate_names_the_privilege_it_lacks() {
     let mut admin = PgConnection::establish(&server.url("postgres")).unwrap();
     admin.batch_execute("CREATE DATABASE app").unwrap();
     admin.batch_execute("CREATE ROLE deployer LOGIN").unwrap();
-    let migrate = || postbox(&as_role(&server, "deployer", "app"), &["migrate"]);
-    // diesel's table of migrations first: in schema public, where PostgreSQL 15 and later let
-    // only the database's owner create.
-    let out = migrate();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("CREATE on schema public"), "{err}");
-    PgConnection::establish(&server.url("app"))
-        .unwrap()
-        .batch_execute("GRANT CREATE ON SCHEMA public TO deployer")
-        .unwrap();
-    // Then schema postbox.
-    let out = migrate();
+    let migrate = |role: &str| postbox(&as_role(&server, role, "app"), &["migrate"]);
+    // postbox's bookkeeping is in schema postbox (not diesel's table in schema public, where
+    // PostgreSQL 15 and later let only the database's owner create): CREATE on the database is
+    // all the first migration needs.
+    let out = migrate("deployer");
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("CREATE on database app"), "{err}");
+    assert!(!err.contains("schema public"), "{err}");
     admin
         .batch_execute("GRANT CREATE ON DATABASE app TO deployer")
         .unwrap();
-    ok(&migrate());
+    ok(&migrate("deployer"));
+
+    // Another role (an app's writer migrating at start) with nothing pending: nothing to do.
+    admin.batch_execute("CREATE ROLE app_writer LOGIN").unwrap();
+    ok(&postbox(
+        &as_role(&server, "deployer", "app"),
+        &["grant", "--writer", "app_writer"],
+    ));
+    let text = ok(&migrate("app_writer"));
+    assert!(text.contains("none (up to date)"), "{text}");
+    // With one pending: it says whose job it is, and nothing changed.
+    let mut deployer = PgConnection::establish(&as_role(&server, "deployer", "app")).unwrap();
+    {
+        use diesel_migrations::MigrationHarness;
+        postbox::Migrations::new(&mut deployer)
+            .revert_last_migration(postbox::MIGRATIONS)
+            .unwrap();
+    }
+    let out = migrate("app_writer");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("1 migration(s) pending") && err.contains("the role that owns schema postbox"),
+        "{err}"
+    );
+    ok(&migrate("deployer"));
+    ok(&migrate("app_writer"));
 }
 
 /// Every table of the schema has a decision for each role, and the SQL `--sql` prints is the SQL

@@ -134,8 +134,12 @@ pub async fn migrate(settings: &Settings) -> Result<Vec<String>> {
         Err(e) => return Err(missing_privilege(&e.to_string(), &database).unwrap_or(e.into())),
     };
     // Roles given rights by `postbox grant` get them on what migrations created (and back where
-    // someone took some of them).
+    // someone took some of them): the owner's upkeep, which another role with nothing to apply
+    // (an app's writer migrating at start) leaves to it.
     let store = Store::connect(url, 1).await?;
+    if applied.is_empty() && !store.owns_schema().await? {
+        return Ok(applied);
+    }
     note_analyzed(store.analyze_if_never_analyzed().await);
     for (role, kind, done) in store.regrant().await? {
         match done {
@@ -158,11 +162,6 @@ fn missing_privilege(error: &str, database: &str) -> Option<RelayError> {
             "the migrating role needs CREATE on database {database} to create schema postbox \
              (GRANT CREATE ON DATABASE {database} TO the role), or to be the database's owner"
         )
-    } else if error.contains("permission denied for schema public") {
-        "the migrating role needs CREATE on schema public, where diesel keeps \
-         __diesel_schema_migrations (GRANT CREATE ON SCHEMA public TO the role; PostgreSQL 15 \
-         no longer gives it to every role)"
-            .to_owned()
     } else if error.contains("must be owner of") || error.contains("permission denied") {
         "the migrating role must own schema postbox and its objects: run `postbox migrate` as the \
          role that ran it first (the relay and the apps need not: see `postbox grant`)"

@@ -129,6 +129,13 @@ pub const TABLES: &[TableAccess] = &[
         relay: None,
         operator: None,
     },
+    // The migrations applied: readable by PUBLIC (a role with nothing to apply sees so), written
+    // by the owner's `postbox migrate`.
+    TableAccess {
+        table: "schema_migrations",
+        relay: None,
+        operator: None,
+    },
 ];
 
 /// The columns of `postbox.messages` an app sets when it enqueues.
@@ -324,6 +331,23 @@ struct Missing {
 }
 
 impl Store {
+    /// True if this store's role owns schema `postbox` (directly or through a role it is a
+    /// member of): it may run migrations and give grants.
+    pub async fn owns_schema(&self) -> Result<bool> {
+        #[derive(QueryableByName)]
+        struct Owns {
+            #[diesel(sql_type = diesel::sql_types::Bool)]
+            owns: bool,
+        }
+        let rows: Vec<Owns> = diesel::sql_query(
+            "SELECT pg_has_role(nspowner, 'USAGE') AS owns FROM pg_catalog.pg_namespace
+             WHERE nspname = 'postbox'",
+        )
+        .load(&mut *self.conn().await?)
+        .await?;
+        Ok(rows.iter().any(|r| r.owns))
+    }
+
     /// The privileges an engine (embedded, or a relay's) needs that this store's role lacks, each
     /// as `PRIVILEGE on OBJECT` (empty when it has them all): what [`grant_sql`] gives
     /// [`RoleKind::Relay`], but for the stream's slot list (the streamer checks its own).

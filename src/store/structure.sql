@@ -1836,6 +1836,21 @@ CREATE TABLE postbox.schedules (
 );
 
 --
+-- Name: schema_migrations; Type: TABLE; Schema: postbox; Owner: -
+--
+
+CREATE TABLE postbox.schema_migrations (
+    version text NOT NULL,
+    run_on timestamp with time zone DEFAULT now() NOT NULL
+);
+
+--
+-- Name: TABLE schema_migrations; Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON TABLE postbox.schema_migrations IS 'The postbox migrations applied (postbox::migrate, postbox migrate): postbox keeps them apart from the app''s __diesel_schema_migrations';
+
+--
 -- Name: stream_slots; Type: TABLE; Schema: postbox; Owner: -
 --
 
@@ -1956,6 +1971,13 @@ ALTER TABLE ONLY postbox.samples
 
 ALTER TABLE ONLY postbox.schedules
     ADD CONSTRAINT schedules_pkey PRIMARY KEY (name);
+
+--
+-- Name: schema_migrations schema_migrations_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -
+--
+
+ALTER TABLE ONLY postbox.schema_migrations
+    ADD CONSTRAINT schema_migrations_pkey PRIMARY KEY (version);
 
 --
 -- Name: stream_slots stream_slots_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -

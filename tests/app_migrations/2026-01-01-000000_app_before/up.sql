@@ -1,0 +1,1 @@
+CREATE TABLE app_before (id bigint PRIMARY KEY);

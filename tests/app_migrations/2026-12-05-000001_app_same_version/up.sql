@@ -1,0 +1,1 @@
+CREATE TABLE app_same_version (id bigint PRIMARY KEY);

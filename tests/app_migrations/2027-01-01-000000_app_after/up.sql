@@ -1,0 +1,1 @@
+CREATE TABLE app_after (id bigint PRIMARY KEY);
