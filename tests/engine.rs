@@ -952,3 +952,56 @@ async fn an_app_pool_without_postbox_session_settings_is_refused_or_warned_at_bu
         "{e}"
     );
 }
+
+/// An embedded engine exports the relay's series on the app's own registry in one call: its
+/// deliveries, and the database's gauges sampled while it runs (a topic it does not serve stays
+/// in the table and shows in the queue depth). A second export on the same registry is refused.
+#[cfg(feature = "relay")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_engine_exports_the_relays_metrics_on_the_apps_registry() {
+    use postbox::metrics::prometheus::{Encoder, Registry, TextEncoder};
+    let db = TestDb::migrated();
+    db.exec(
+        "INSERT INTO postbox.messages (topic) SELECT 't' FROM generate_series(1, 5);
+         INSERT INTO postbox.messages (topic) VALUES ('not.served')",
+    );
+    let registry = Registry::new();
+    let seen: Seen = Arc::default();
+    let engine = Engine::builder(db.url.clone())
+        .handlers(recording("t", seen.clone()))
+        .metrics(&registry)
+        .build()
+        .await
+        .unwrap();
+    let running = start(engine);
+    let text = || {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&registry.gather(), &mut buf)
+            .unwrap();
+        String::from_utf8(buf).unwrap()
+    };
+    let exported = eventually(Duration::from_secs(30), || async {
+        let t = text();
+        t.contains(r#"postbox_messages_delivered_total{sink="handlers",topic="t"} 5"#)
+            && t.contains(r#"postbox_queue_depth{state="available",topic="not.served"} 1"#)
+    })
+    .await;
+    assert!(exported, "{}", text());
+    let again = Engine::builder(db.url.clone())
+        .handlers(recording("t", seen.clone()))
+        .metrics(&registry)
+        .build()
+        .await;
+    assert!(
+        matches!(
+            again,
+            Err(postbox::Error::InvalidArgument {
+                field: "metrics",
+                ..
+            })
+        ),
+        "a second export on one registry"
+    );
+    running.stop().await;
+}

@@ -72,6 +72,8 @@ pub struct EngineBuilder {
     schedules: Vec<CronSchedule>,
     limits: Vec<Limit>,
     budget: Option<Arc<PayloadBudget>>,
+    #[cfg(feature = "relay")]
+    metrics: Option<prometheus::Registry>,
 }
 
 impl EngineBuilder {
@@ -183,6 +185,17 @@ impl EngineBuilder {
         self.observer = o;
         self
     }
+    /// Exports the engine's metrics on `registry`, the app's: the relay's series (see
+    /// [`Metrics::register_on`](crate::metrics::Metrics::register_on)), with the database's
+    /// gauges (queue depth and age, dead letters, table health, limits, retention) sampled every
+    /// [`SAMPLE_INTERVAL`](crate::metrics::SAMPLE_INTERVAL) while the engine runs, so the
+    /// shipped dashboard and alerts work for an embedded engine. In place of an
+    /// [`observer`](Self::observer); `build()` fails if the registry has them already.
+    #[cfg(feature = "relay")]
+    pub fn metrics(mut self, registry: &prometheus::Registry) -> Self {
+        self.metrics = Some(registry.clone());
+        self
+    }
     /// Stop once nothing claimable is left.
     pub fn drain(mut self, drain: bool) -> Self {
         self.config.drain = drain;
@@ -281,12 +294,24 @@ impl EngineBuilder {
         let budget = self
             .budget
             .unwrap_or_else(|| PayloadBudget::new(self.config.payload_budget));
+        #[cfg(feature = "relay")]
+        let (observer, metrics) = match &self.metrics {
+            Some(registry) => {
+                let m = crate::metrics::Metrics::register_on(registry)?;
+                (m.clone() as Arc<dyn Observer>, Some(m))
+            }
+            None => (self.observer, None),
+        };
+        #[cfg(not(feature = "relay"))]
+        let observer = self.observer;
         Ok(Engine {
             store,
             sink,
             config: self.config,
             database_url: self.database_url,
-            observer: self.observer,
+            observer,
+            #[cfg(feature = "relay")]
+            metrics,
             counters: Arc::new(Counters::default()),
             listen: self.listen,
             #[cfg(feature = "cron")]
@@ -318,6 +343,8 @@ pub struct Engine {
     schedules: Vec<CronSchedule>,
     limits: Vec<Limit>,
     budget: Arc<PayloadBudget>,
+    #[cfg(feature = "relay")]
+    metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 impl Engine {
@@ -332,6 +359,8 @@ impl Engine {
             config: EngineConfig::default(),
             backoff: None,
             observer: Arc::new(NoObserver),
+            #[cfg(feature = "relay")]
+            metrics: None,
             listen: true,
             #[cfg(feature = "cron")]
             schedules: Vec::new(),
@@ -378,6 +407,18 @@ impl Engine {
             inner: self.observer.clone(),
         });
         let background = CancellationToken::new();
+        #[cfg(feature = "relay")]
+        if let Some(m) = &self.metrics {
+            tokio::spawn(crate::metrics::sample(
+                self.store.clone(),
+                m.clone(),
+                crate::metrics::SAMPLE_INTERVAL,
+                self.limits.clone(),
+                self.config.keep_completed.is_some(),
+                false,
+                background.clone(),
+            ));
+        }
         let inflight = Arc::new(InFlight::default());
         let unwritten = Arc::new(AtomicUsize::new(0));
         let (settle_tx, settle_rx) = tokio::sync::mpsc::channel(self.config.completer_batch * 2);

@@ -17,11 +17,15 @@ use crate::store::{SampleRow, Topics};
 
 mod claims;
 mod console;
+mod embedded;
 mod horizon;
 mod stream;
 mod topics;
 
 pub use console::Outcomes;
+pub use embedded::{SAMPLE_INTERVAL, sample};
+/// The prometheus crate postbox's metrics are made with: an app's `Registry` must be this one's.
+pub use prometheus;
 
 pub use stream::WAL_STATUSES;
 use topics::TopicLabels;
@@ -317,14 +321,19 @@ impl Metrics {
         Arc::new(m)
     }
 
-    /// The text exposition format.
-    pub fn render(&self) -> String {
+    /// Every metric, as of now.
+    pub fn gather(&self) -> Vec<prometheus::proto::MetricFamily> {
         let now = std::time::Instant::now();
         self.claims.update(now);
         self.stream.update(now);
+        self.registry.gather()
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
         let mut buf = Vec::new();
         TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
+            .encode(&self.gather(), &mut buf)
             .expect("text encoding cannot fail");
         String::from_utf8(buf).expect("the text format is UTF-8")
     }

@@ -340,7 +340,7 @@ pub async fn run(
         }
         _ => None,
     };
-    let sampler = tokio::spawn(sample(
+    let sampler = tokio::spawn(crate::metrics::sample(
         store.clone(),
         metrics.clone(),
         settings.sample_interval,
@@ -428,52 +428,6 @@ pub async fn run(
     match failure {
         Some(e) => Err(e),
         None => Ok(report),
-    }
-}
-
-async fn sample(
-    store: Store,
-    metrics: Arc<Metrics>,
-    every: Duration,
-    limits: Vec<crate::store::Limit>,
-    retention: bool,
-    stream: bool,
-    stop: CancellationToken,
-) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.cancelled() => return,
-        }
-        match store.sample(every).await {
-            Ok(rows) => {
-                metrics.apply_sample(Ok(&rows));
-                if let Ok(paused) = store.paused().await {
-                    metrics.apply_pauses(&paused, &rows);
-                }
-                for l in &limits {
-                    if let Ok(n) = store.limit_running(l).await {
-                        metrics.limit(l, n);
-                    }
-                }
-                match store.check(crate::engine::REPAIR_BATCH).await {
-                    Ok(found) => metrics.invariants(&found),
-                    Err(e) => tracing::warn!(error = %e, "invariant check failed"),
-                }
-                if retention && let Ok((n, _)) = store.completed_kept().await {
-                    metrics.completed_kept(n);
-                }
-                if stream && let Ok(slots) = store.stream_status(None).await {
-                    metrics.stream_slots(&slots);
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "database sample failed");
-                metrics.apply_sample(Err(()));
-            }
-        }
     }
 }
 
