@@ -1,9 +1,13 @@
 //! An orders app: each order and its `order.created` message are written in one diesel-async
-//! transaction on the app's bb8 pool, and an embedded worker (postbox's engine, sharing that
-//! pool) handles the messages.
+//! transaction on the app's bb8 pool, and an embedded worker (postbox's engine) handles the
+//! messages. Least privilege, with two pools: the app's transactions run as a writer role
+//! (`shop_app`: its own tables, and enqueue), the engine as a relay role (`shop_worker`: claims,
+//! settles, upkeep); the owner's URL only migrates and grants.
 //!
 //! cargo run --manifest-path examples/app/Cargo.toml -- postgres://postgres@localhost/shop
-//! (the database must exist)
+//! (the database must exist; the owner's URL. `APP_DATABASE_URL` and `WORKER_DATABASE_URL` name
+//! the two roles' URLs; without them, this demo creates the roles as the owner and logs in as them
+//! with the owner's URL otherwise, as a server with trust or peer authentication allows)
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Text};
-use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
+use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 use postbox::Message;
 use postbox::engine::Engine;
@@ -33,19 +37,48 @@ struct Id {
     id: i64,
 }
 
-/// The app's pool, shared with postbox's engine. Its connections get postbox's session settings
-/// (`postbox::store::connect::establish`): `default_transaction_isolation = 'read committed'` (the
-/// claims are written for it), a `statement_timeout` of 60 s unless one is set,
-/// `postbox.promotes_heads = 'caller'` (the engine's statements promote ordered keys themselves)
-/// and `synchronous_commit = off` — which the app's own transactions on this pool get too: an
-/// order and its message still commit together or not at all, but a crash of the server can lose
-/// the last moments of commits. An app that wants its own commits synchronous gives the engine its
-/// own pool instead (`Engine::builder(url)` without `.pool(..)`, the default).
+/// The app's pool: plain diesel-async connections of the app's writer role.
 async fn pool(url: &str) -> anyhow::Result<Pool> {
-    let mut config = ManagerConfig::<AsyncPgConnection>::default();
-    config.custom_setup = Box::new(|url| Box::pin(postbox::store::connect::establish(url)));
-    let manager = AsyncDieselConnectionManager::new_with_config(url, config);
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(url);
     Ok(bb8::Pool::builder().max_size(8).build(manager).await?)
+}
+
+/// The URL of `role`: from the environment, or the owner's with the role as user (the demo).
+fn role_url(owner_url: &str, var: &str, role: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| {
+        let (scheme, rest) = owner_url
+            .split_once("://")
+            .unwrap_or(("postgres", owner_url));
+        let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+        format!("{scheme}://{role}@{host}")
+    })
+}
+
+/// As the owner: postbox's schema, the app's table, and the two roles' rights (what
+/// `postbox grant --writer shop_app --relay shop_worker` does, plus the app's own table).
+async fn set_up(owner_url: &str) -> anyhow::Result<()> {
+    use postbox::store::grant::RoleKind;
+    let owner = AsyncPgConnection::establish(owner_url).await?;
+    let (_, mut owner) = postbox::migrate_async(owner).await?;
+    owner
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS shop_orders \
+             (id bigserial PRIMARY KEY, customer text NOT NULL, total_cents bigint NOT NULL)",
+        )
+        .await?;
+    if std::env::var("APP_DATABASE_URL").is_err() {
+        let store = postbox::Store::connect(owner_url, 1).await?;
+        store.grant(RoleKind::Writer, "shop_app").await?;
+        store.grant(RoleKind::Relay, "shop_worker").await?;
+        owner
+            .batch_execute(
+                "ALTER ROLE shop_app LOGIN; ALTER ROLE shop_worker LOGIN;
+                 GRANT SELECT, INSERT ON shop_orders TO shop_app;
+                 GRANT USAGE ON SEQUENCE shop_orders_id_seq TO shop_app",
+            )
+            .await?;
+    }
+    Ok(())
 }
 
 /// The business write and its message, atomically, on a pooled connection.
@@ -92,21 +125,18 @@ async fn main() -> anyhow::Result<()> {
         .nth(1)
         .or_else(|| std::env::var("DATABASE_URL").ok())
         .unwrap_or_else(|| "postgres://postgres@localhost/shop".into());
-    let pool = pool(&url).await?;
+    set_up(&url).await?;
+    let app_url = role_url(&url, "APP_DATABASE_URL", "shop_app");
+    let worker_url = role_url(&url, "WORKER_DATABASE_URL", "shop_worker");
+    let pool = pool(&app_url).await?;
+    // The app's writer, migrating at start as apps do: nothing pending, so nothing to do.
     postbox::migrate_pool(&pool).await?;
-    pool.get()
-        .await?
-        .batch_execute(
-            "CREATE TABLE IF NOT EXISTS shop_orders \
-             (id bigserial PRIMARY KEY, customer text NOT NULL, total_cents bigint NOT NULL)",
-        )
-        .await?;
 
     let sent = Arc::new(AtomicUsize::new(0));
     let s = sent.clone();
     let handlers = Handlers::new().on("order.created", move |job| confirm(job, s.clone()));
-    let engine = Engine::builder(&url)
-        .pool(pool.clone())
+    // The engine's own pool, as the relay role (`build()` checks its rights).
+    let engine = Engine::builder(&worker_url)
         .handlers(handlers)
         .build()
         .await?;
