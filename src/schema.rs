@@ -58,6 +58,7 @@ pub mod postbox {
             state -> MessageState,
             cancelled -> Bool,
             ready_xid -> Xid8,
+            snoozes -> Int4,
         }
     }
 

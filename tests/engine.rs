@@ -1005,3 +1005,117 @@ async fn an_embedded_engine_exports_the_relays_metrics_on_the_apps_registry() {
     );
     running.stop().await;
 }
+
+/// Snooze: a handler puts a message off without using an attempt (River's `JobSnooze`, Oban's
+/// `{:snooze, s}`): it runs again after the delay with the same attempt number and no error
+/// recorded, its ordered key waits with it, and on a backlog (held batches) as on single claims.
+/// Past `max_snoozes` a snooze uses an attempt, so a message that only ever snoozes reaches the
+/// dead letters, with a reason that says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snooze_runs_the_message_again_later_without_using_an_attempt_up_to_the_cap() {
+    let db = TestDb::migrated();
+    // payload: how many times to snooze before succeeding (-1: always).
+    type Call = (i64, String, i32, Option<String>, Instant);
+    let calls: Arc<Mutex<Vec<Call>>> = Default::default();
+    let c = calls.clone();
+    let handlers = Handlers::new().on("jobs", move |job: Job<i64>| {
+        let c = c.clone();
+        async move {
+            let runs = {
+                let mut c = c.lock().unwrap();
+                c.push((
+                    job.id,
+                    job.key.clone().unwrap_or_default(),
+                    job.attempt,
+                    job.last_error.clone(),
+                    Instant::now(),
+                ));
+                c.iter().filter(|x| x.0 == job.id).count() as i64
+            };
+            if job.payload < 0 || runs <= job.payload {
+                return Err(HandlerError::snooze(Duration::from_millis(100)));
+            }
+            Ok(())
+        }
+    });
+    let engine = Engine::builder(&db.url)
+        .handlers(handlers)
+        .backoff(fast_backoff())
+        .max_snoozes(3)
+        .build()
+        .await
+        .unwrap();
+    let running = start(engine);
+    let mut conn = db.conn();
+    // A backlog that snoozes once each (taken in held batches), an ordered key whose head snoozes
+    // twice, and one that always snoozes on its two attempts.
+    let backlog: Vec<Message> = (0..300).map(|_| Message::new("jobs").payload(&1)).collect();
+    postbox::enqueue_many(&mut conn, &backlog).unwrap();
+    let ordered = [2, 0].map(|n| Message::new("jobs").key("k").ordered().payload(&n));
+    postbox::enqueue_many(&mut conn, &ordered).unwrap();
+    postbox::enqueue(
+        &mut conn,
+        &Message::new("jobs")
+            .key("always")
+            .payload(&-1)
+            .max_attempts(2),
+    )
+    .unwrap();
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            let s = running.counters.snapshot();
+            s.delivered == 302 && s.dead_lettered == 1
+        })
+        .await,
+        "{:?}",
+        running.counters.snapshot()
+    );
+    let report = running.stop().await;
+    // 300 + 2 under the cap, and the three the cap allows of the one that always snoozes.
+    assert_eq!(report.snoozed, 305, "{report:?}");
+    // The fourth snooze of that one used its first attempt, the fifth its last.
+    assert_eq!(report.retried, 1, "{report:?}");
+    let calls = calls.lock().unwrap().clone();
+    let of_key = |k: &str| {
+        calls
+            .iter()
+            .filter(|c| c.1 == k)
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    // Every run under the cap is attempt 1, with no error recorded, and after the delay.
+    for c in calls.iter().filter(|c| c.1.is_empty()) {
+        assert_eq!((c.2, c.3.as_deref()), (1, None), "{c:?}");
+    }
+    assert_eq!(calls.iter().filter(|c| c.1.is_empty()).count(), 600);
+    let k = of_key("k");
+    assert_eq!(k.len(), 4, "{k:?}");
+    assert_eq!(k[0].0, k[1].0, "the head runs again");
+    assert_eq!(k[1].0, k[2].0, "and again");
+    assert!(
+        k[3].0 > k[0].0,
+        "the key's next message waits for its head: {k:?}"
+    );
+    assert!(
+        k[1].4 - k[0].4 >= Duration::from_millis(90),
+        "put off by the delay"
+    );
+    let always = of_key("always");
+    assert_eq!(
+        always.iter().map(|c| c.2).collect::<Vec<_>>(),
+        [1, 1, 1, 1, 2],
+        "three snoozes under the cap, then attempts"
+    );
+    assert!(
+        always[4]
+            .3
+            .as_deref()
+            .unwrap_or_default()
+            .contains("max_snoozes"),
+        "{always:?}"
+    );
+    let store = postbox::Store::connect(&db.url, 2).await.unwrap();
+    let dead = store.dead_list(None, 10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert!(dead[0].reason.contains("max_snoozes"), "{}", dead[0].reason);
+}

@@ -37,6 +37,9 @@ pub(crate) enum SettleKind {
         reason: String,
     },
     Release,
+    Snooze {
+        delay: Duration,
+    },
 }
 
 /// Flushes of ordered outcomes written at once, each on its own connection (see `run`).
@@ -64,6 +67,8 @@ pub(crate) struct Completer {
     pub hand_over: Arc<HandOver>,
     /// After shutdown, how long an unwritable batch is retried.
     pub shutdown_deadline: Duration,
+    /// Snoozes a message may take without using an attempt.
+    pub max_snoozes: i32,
 }
 
 /// Hand-over (see `postbox.hand_over`): when ordered heads are delivered, the next message of
@@ -195,6 +200,7 @@ pub(crate) async fn run(c: Completer, mut rx: mpsc::Receiver<Settle>) {
         inflight,
         hand_over,
         shutdown_deadline,
+        max_snoozes,
     } = c;
     let flushes = Arc::new(tokio::sync::Semaphore::new(FLUSHES_IN_FLIGHT));
     let mut running = tokio::task::JoinSet::new();
@@ -261,6 +267,7 @@ pub(crate) async fn run(c: Completer, mut rx: mpsc::Receiver<Settle>) {
                     sink: &*sink,
                     hand_over: &hand_over,
                     shutdown_deadline,
+                    max_snoozes,
                 };
                 writer.flush(std::mem::take(&mut batch)).await;
                 unwritten.fetch_sub(n, Ordering::AcqRel);

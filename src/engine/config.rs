@@ -13,6 +13,10 @@ pub(crate) const SHUTDOWN_WRITE_WINDOW: Duration = Duration::from_secs(5);
 /// returns within about this much of it, whatever the database does.
 pub(crate) const HARD_STOP_GRACE: Duration = Duration::from_millis(500);
 
+/// Snoozes a message may take without using an attempt (see
+/// [`HandlerError::snooze`](crate::sink::handlers::HandlerError::snooze)): past them, a snooze
+/// uses an attempt like a retry.
+pub const DEFAULT_MAX_SNOOZES: i32 = 100;
 /// Messages per claim when the builder is not told otherwise.
 pub const DEFAULT_BATCH_SIZE: usize = 100;
 /// Claim loops per engine. One keeps up with a 2-core database here (measured: 2 loops drained no
@@ -120,6 +124,10 @@ pub struct EngineConfig {
     /// delivered, alone. 0: no limit (the batch size and concurrency alone bound what is in
     /// flight). Default [`DEFAULT_PAYLOAD_BUDGET`](super::DEFAULT_PAYLOAD_BUDGET), 64 MiB.
     pub payload_budget: usize,
+    /// Snoozes a message may take without using an attempt; past them a snooze uses an attempt
+    /// like a retry (so a message that only ever snoozes still reaches the dead letters). Default
+    /// [`DEFAULT_MAX_SNOOZES`].
+    pub max_snoozes: i32,
 }
 
 impl Default for EngineConfig {
@@ -143,6 +151,7 @@ impl Default for EngineConfig {
             hold_limit: DEFAULT_HOLD_LIMIT,
             keep_completed: None,
             payload_budget: super::budget::DEFAULT_PAYLOAD_BUDGET,
+            max_snoozes: DEFAULT_MAX_SNOOZES,
         }
     }
 }
@@ -175,6 +184,12 @@ impl EngineConfig {
                     format!("must be at least 10ms, got {t:?}"),
                 ));
             }
+        }
+        if self.max_snoozes < 0 {
+            return Err(invalid(
+                "max_snoozes",
+                format!("must not be negative, got {}", self.max_snoozes),
+            ));
         }
         if self.hold_limit > Duration::from_secs(60) {
             return Err(invalid(

@@ -9,7 +9,7 @@ use chrono::Utc;
 
 use super::completer::{HandOver, Settle, SettleKind};
 use super::observer::{Observer, Settlement};
-use crate::store::{Dead, Retry, RetryReport, Settled, Store};
+use crate::store::{Dead, Retry, RetryReport, Settled, Snooze, Store};
 
 /// Failed tries of the same batch before the database is asked whether it is up, and the batch is
 /// split (or, alone, the outcome is given up on) if it is.
@@ -27,6 +27,8 @@ pub(crate) struct Writer<'a> {
     pub hand_over: &'a HandOver,
     /// After shutdown, how long a batch is retried before it is left to lease expiry.
     pub shutdown_deadline: Duration,
+    /// Snoozes a message may take without using an attempt.
+    pub max_snoozes: i32,
 }
 
 enum Tried {
@@ -58,7 +60,9 @@ impl Writer<'_> {
                 Tried::Refused(e) => {
                     let s = &mut part[0];
                     match &s.kind {
-                        SettleKind::Retry { .. } | SettleKind::Release => {
+                        SettleKind::Retry { .. }
+                        | SettleKind::Release
+                        | SettleKind::Snooze { .. } => {
                             tracing::error!(id = s.lease.id, error = %e, "the database refuses this outcome; dead-lettering the message");
                             s.kind = SettleKind::Dead {
                                 reason: format!("postbox could not record its outcome: {e}"),
@@ -91,6 +95,7 @@ impl Writer<'_> {
         let mut retry = Vec::new();
         let mut dead = Vec::new();
         let mut release = Vec::new();
+        let mut snooze = Vec::new();
         for s in buf.iter() {
             match &s.kind {
                 SettleKind::Complete => {
@@ -107,6 +112,10 @@ impl Writer<'_> {
                     reason: reason.clone(),
                 }),
                 SettleKind::Release => release.push(s.lease),
+                SettleKind::Snooze { delay } => snooze.push(Snooze {
+                    lease: s.lease,
+                    delay: *delay,
+                }),
             }
         }
         let mut reserved = self.hand_over.reserve(heads);
@@ -118,7 +127,7 @@ impl Writer<'_> {
         let store = self.store;
         let mut written = Written::default();
         let failure = loop {
-            let (c, r, d, l) = tokio::join!(
+            let (c, r, d, l, z) = tokio::join!(
                 async {
                     match written.complete {
                         None => Some(
@@ -147,6 +156,12 @@ impl Writer<'_> {
                         Some(_) => None,
                     }
                 },
+                async {
+                    match written.snooze {
+                        None => Some(store.snooze(&snooze, self.max_snoozes).await),
+                        Some(_) => None,
+                    }
+                },
             );
             let mut error = None;
             match c {
@@ -164,6 +179,7 @@ impl Writer<'_> {
             keep(&mut written.retry, r, &mut error);
             keep(&mut written.dead, d, &mut error);
             keep(&mut written.release, l, &mut error);
+            keep(&mut written.snooze, z, &mut error);
             let Some(e) = error else {
                 break None;
             };
@@ -203,16 +219,22 @@ impl Writer<'_> {
             w.retry.as_ref().map(|r| &r.fenced),
             w.dead.as_ref().map(|s| &s.fenced),
             w.release.as_ref().map(|s| &s.fenced),
+            w.snooze.as_ref().map(|r| &r.fenced),
         ]
         .into_iter()
         .flatten()
         .flatten()
         .copied()
         .collect();
-        let exhausted: HashSet<i64> = w
-            .retry
+        let exhausted: HashSet<i64> = [&w.retry, &w.snooze]
+            .into_iter()
+            .flatten()
+            .flat_map(|r| r.dead.iter().copied())
+            .collect();
+        let snoozed: HashSet<i64> = w
+            .snooze
             .as_ref()
-            .map(|r| r.dead.iter().copied().collect())
+            .map(|r| r.snoozed.iter().copied().collect())
             .unwrap_or_default();
         buf.retain(|s| {
             let done = match s.kind {
@@ -220,6 +242,7 @@ impl Writer<'_> {
                 SettleKind::Retry { .. } => w.retry.is_some(),
                 SettleKind::Dead { .. } => w.dead.is_some(),
                 SettleKind::Release => w.release.is_some(),
+                SettleKind::Snooze { .. } => w.snooze.is_some(),
             };
             if !done {
                 return true;
@@ -235,6 +258,14 @@ impl Writer<'_> {
                     SettleKind::Retry { .. } => Settlement::Retried,
                     SettleKind::Dead { .. } => Settlement::DeadLettered,
                     SettleKind::Release => Settlement::Released,
+                    SettleKind::Snooze { .. } if exhausted.contains(&s.lease.id) => {
+                        Settlement::DeadLettered
+                    }
+                    SettleKind::Snooze { .. } if snoozed.contains(&s.lease.id) => {
+                        Settlement::Snoozed
+                    }
+                    // Past the cap: an attempt used, as a retry.
+                    SettleKind::Snooze { .. } => Settlement::Retried,
                 }
             };
             let age = (now - s.created_at).to_std().unwrap_or_default();
@@ -251,6 +282,7 @@ struct Written {
     retry: Option<RetryReport>,
     dead: Option<Settled>,
     release: Option<Settled>,
+    snooze: Option<RetryReport>,
 }
 
 /// A statement ended by `lock_timeout` (SQLSTATE 55P03, "canceling statement due to lock

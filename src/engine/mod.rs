@@ -41,7 +41,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 pub use self::budget::{DEFAULT_PAYLOAD_BUDGET, PayloadBudget};
-pub use self::config::EngineConfig;
+pub use self::config::{DEFAULT_MAX_SNOOZES, EngineConfig};
 pub use self::maintenance::{REPAIR_BATCH, Rescuer, Scheduler};
 pub use self::observer::{Counters, NoObserver, Observer, RunReport, Settlement};
 use self::producer::{InFlight, Producer, SinkHealth};
@@ -168,6 +168,12 @@ impl EngineBuilder {
     /// See [`EngineConfig::hold_limit`] (default 1 s; zero: always lease).
     pub fn hold_limit(mut self, d: Duration) -> Self {
         self.config.hold_limit = d;
+        self
+    }
+    /// Snoozes a message may take without using an attempt (default
+    /// [`DEFAULT_MAX_SNOOZES`]); past them a snooze uses an attempt.
+    pub fn max_snoozes(mut self, n: i32) -> Self {
+        self.config.max_snoozes = n;
         self
     }
     /// Shutdown deadline (default 25 s).
@@ -446,6 +452,7 @@ impl Engine {
                 inflight: inflight.clone(),
                 hand_over: hand_over.clone(),
                 shutdown_deadline: self.config.shutdown_deadline,
+                max_snoozes: self.config.max_snoozes,
             },
             settle_rx,
         ));

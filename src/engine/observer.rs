@@ -17,6 +17,8 @@ pub enum Settlement {
     Released,
     /// The write matched no row: the lease had expired and the message was claimed again.
     Fenced,
+    /// Put off by its handler without using an attempt (a snooze under the engine's cap).
+    Snoozed,
 }
 
 /// Receives the engine's events. Every method has a no-op default.
@@ -70,6 +72,8 @@ pub struct Counters {
     pub released: AtomicU64,
     /// Outcomes that matched no row (their lease had expired).
     pub fenced: AtomicU64,
+    /// Messages put off by their handler without using an attempt.
+    pub snoozed: AtomicU64,
 }
 
 impl Counters {
@@ -82,6 +86,7 @@ impl Counters {
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
             released: self.released.load(Ordering::Relaxed),
             fenced: self.fenced.load(Ordering::Relaxed),
+            snoozed: self.snoozed.load(Ordering::Relaxed),
         }
     }
 }
@@ -101,6 +106,8 @@ pub struct RunReport {
     pub released: u64,
     /// Outcomes that matched no row (their lease had expired).
     pub fenced: u64,
+    /// Messages put off by their handler without using an attempt.
+    pub snoozed: u64,
 }
 
 /// Counts into [`Counters`], then passes the event on.
@@ -121,6 +128,7 @@ impl Observer for Counting {
             Settlement::DeadLettered => &self.counters.dead_lettered,
             Settlement::Released => &self.counters.released,
             Settlement::Fenced => &self.counters.fenced,
+            Settlement::Snoozed => &self.counters.snoozed,
         };
         c.fetch_add(1, Ordering::Relaxed);
         self.inner.settled(topic, sink, what, age);

@@ -832,6 +832,7 @@ impl From<Outcome> for SettleKind {
                 delay,
             },
             Outcome::Dead { reason } => SettleKind::Dead { reason },
+            Outcome::Snooze { delay } => SettleKind::Snooze { delay },
             Outcome::Release { .. } | Outcome::TopicUnavailable { .. } => SettleKind::Release,
         }
     }

@@ -36,6 +36,7 @@ pub struct Metrics {
     registry: Registry,
     delivered: IntCounterVec,
     retried: IntCounterVec,
+    snoozed: IntCounterVec,
     dead_lettered: IntCounterVec,
     released: IntCounter,
     fenced: IntCounter,
@@ -155,6 +156,12 @@ impl Metrics {
                 &r,
                 "postbox_messages_retried_total",
                 "Failed deliveries sent back to pending with backoff.",
+                &["topic", "sink"],
+            ),
+            snoozed: counter_vec(
+                &r,
+                "postbox_messages_snoozed_total",
+                "Deliveries a handler put off without using an attempt (under the engine's max_snoozes; past it a snooze counts as a retry).",
                 &["topic", "sink"],
             ),
             dead_lettered: counter_vec(
@@ -446,7 +453,12 @@ impl Metrics {
             .map(String::as_str)
             .chain(routes.iter().map(|(s, _)| s.as_str()));
         for sink in sinks {
-            for c in [&self.delivered, &self.retried, &self.dead_lettered] {
+            for c in [
+                &self.delivered,
+                &self.retried,
+                &self.dead_lettered,
+                &self.snoozed,
+            ] {
                 let _ = c.remove_label_values(&[topic, sink]);
             }
         }
@@ -554,6 +566,7 @@ impl Observer for Metrics {
             Settlement::DeadLettered => self.dead_lettered.with_label_values(&[topic, sink]).inc(),
             Settlement::Released => self.released.inc(),
             Settlement::Fenced => self.fenced.inc(),
+            Settlement::Snoozed => self.snoozed.with_label_values(&[topic, sink]).inc(),
         }
     }
 

@@ -54,6 +54,11 @@ pub enum HandlerError {
         /// Why, kept with the dead letter.
         reason: String,
     },
+    /// Not now: run again after `delay` without using an attempt (see [`HandlerError::snooze`]).
+    Snooze {
+        /// When to run it again, from now.
+        delay: Duration,
+    },
 }
 
 impl HandlerError {
@@ -78,6 +83,17 @@ impl HandlerError {
         HandlerError::Dead {
             reason: reason.into(),
         }
+    }
+
+    /// Run again after `delay` without using an attempt (River's `JobSnooze`, Oban's
+    /// `{:snooze, s}`): for a message that is not ready yet (a payment still pending, a resource
+    /// not there yet), not one that failed. Its key, if ordered, waits with it. Each snooze is
+    /// counted (`postbox_messages_snoozed_total`, and on the message); past the engine's
+    /// `max_snoozes` (default [`DEFAULT_MAX_SNOOZES`](crate::engine::DEFAULT_MAX_SNOOZES)) a
+    /// snooze uses an attempt like a retry, so a message that only ever snoozes still reaches the
+    /// dead letters.
+    pub fn snooze(delay: Duration) -> Self {
+        HandlerError::Snooze { delay }
     }
 }
 
@@ -113,6 +129,7 @@ impl std::fmt::Display for HandlerError {
                 delay: Some(d),
             } => write!(f, "retry after {d:?}: {reason}"),
             HandlerError::Dead { reason } => write!(f, "dead: {reason}"),
+            HandlerError::Snooze { delay } => write!(f, "snooze for {delay:?}"),
         }
     }
 }
@@ -200,13 +217,14 @@ impl Handlers {
                     Ok(()) => Outcome::Delivered,
                     Err(HandlerError::Retry { reason, delay }) => Outcome::Retry { reason, delay },
                     Err(HandlerError::Dead { reason }) => Outcome::Dead { reason },
+                    Err(HandlerError::Snooze { delay }) => Outcome::Snooze { delay },
                 };
                 #[cfg(feature = "otel")]
                 {
                     use opentelemetry::trace::{Status, TraceContextExt as _};
                     let span = cx.span();
                     match &outcome {
-                        Outcome::Delivered => span.set_status(Status::Ok),
+                        Outcome::Delivered | Outcome::Snooze { .. } => span.set_status(Status::Ok),
                         Outcome::Retry { reason, .. }
                         | Outcome::Dead { reason }
                         | Outcome::Release { reason }

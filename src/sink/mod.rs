@@ -27,6 +27,14 @@ pub enum Outcome {
         /// The delay asked for instead of the backoff.
         delay: Option<Duration>,
     },
+    /// Not now: run it again after `delay` without using an attempt, up to the engine's
+    /// `max_snoozes` (past it, a snooze uses an attempt; see [`HandlerError::snooze`]).
+    ///
+    /// [`HandlerError::snooze`]: crate::sink::handlers::HandlerError::snooze
+    Snooze {
+        /// When to run it again, from now.
+        delay: Duration,
+    },
     /// Can never succeed: dead-letter it now with this reason.
     Dead {
         /// Why, kept with the dead letter.

@@ -89,6 +89,8 @@ impl Store {
                         .bind::<Double, _>(b.base.as_secs_f64())
                         .bind::<Double, _>(b.cap.as_secs_f64())
                         .bind::<Double, _>(b.jitter)
+                        .bind::<Bool, _>(false)
+                        .bind::<Integer, _>(0)
                         .load(conn)
                         .await?
                 }

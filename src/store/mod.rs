@@ -167,7 +167,7 @@ pub use self::{
     pause::unpaused,
     retention::{Maintained, Omitted, Shown},
     schedule::{PROMOTE_BATCH, Promoted},
-    settle::{Dead, RESCUE_BATCH, Retry, RetryReport, Settled},
+    settle::{Dead, RESCUE_BATCH, Retry, RetryReport, Settled, Snooze},
     stats::{
         EXACT_LIMIT, SAMPLE_ROWS, SampleRow, StalledKey, Stats, TOPIC_EXACT_LIMIT, TopicStats,
     },

@@ -37,6 +37,18 @@ pub struct Retry {
     pub delay: Option<Duration>,
 }
 
+/// A delivery put off: the message runs again after `delay` without using an attempt (River's
+/// `JobSnooze`, Oban's `{:snooze, s}`), while it has been snoozed fewer times than the cap
+/// [`Store::snooze`] is given; past the cap the snooze is a retry (an attempt used, the dead
+/// letters at the last), so a message that only ever snoozes does not run for ever unnoticed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snooze {
+    /// The claim it settles.
+    pub lease: Lease,
+    /// When to run it again, from now.
+    pub delay: Duration,
+}
+
 /// A message that can never be delivered.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Dead {
@@ -55,6 +67,21 @@ pub struct RetryReport {
     pub dead: Vec<MessageId>,
     /// Lease gone; untouched.
     pub fenced: Vec<MessageId>,
+    /// Of `retried`, those [`Store::snooze`] put off without using an attempt.
+    pub snoozed: Vec<MessageId>,
+}
+
+/// A row of the retry statement.
+#[derive(QueryableByName)]
+struct RetryRow {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
+    #[diesel(sql_type = Bool)]
+    dead: bool,
+    #[diesel(sql_type = Bool)]
+    kept: bool,
+    #[diesel(sql_type = Bool)]
+    snoozing: bool,
 }
 
 #[derive(QueryableByName)]
@@ -203,9 +230,12 @@ WITH input AS (
 ),
 locked AS (
     -- Which way each goes is decided on the row as locked: a cancel that marked it meanwhile
-    -- (and held its lock) is seen.
-    SELECT m.id, i.token, i.error, i.delay_secs, m.attempts >= m.max_attempts OR m.cancelled AS ends
-    FROM postbox.messages m JOIN input i ON m.id = i.id
+    -- (and held its lock) is seen. A snooze ($8: every row of the statement) under the cap ($9)
+    -- uses no attempt; past it, it is a retry.
+    SELECT m.id, i.token, i.error, i.delay_secs, s.snoozing,
+           (m.attempts >= m.max_attempts AND NOT s.snoozing) OR m.cancelled AS ends
+    FROM postbox.messages m JOIN input i ON m.id = i.id,
+         LATERAL (SELECT $8::boolean AND m.snoozes < $9::integer AS snoozing) s
     WHERE m.id = ANY($1::bigint[]) AND m.lease_token = i.token
     FOR NO KEY UPDATE OF m
 ),
@@ -237,19 +267,21 @@ buried AS (
 retried AS (
     UPDATE postbox.messages m
     SET locked_until = NULL, lease_token = NULL, locked_by = NULL,
-        last_error = i.error,
-        first_error = coalesce(m.first_error, i.error),
+        last_error = CASE WHEN i.snoozing THEN m.last_error ELSE i.error END,
+        first_error = CASE WHEN i.snoozing THEN m.first_error ELSE coalesce(m.first_error, i.error) END,
+        attempts = CASE WHEN i.snoozing THEN greatest(m.attempts - 1, 0) ELSE m.attempts END,
+        snoozes = m.snoozes + i.snoozing::integer,
         state = CASE WHEN i.delay_secs <= 0 THEN 'available' ELSE 'scheduled' END::postbox.message_state,
         run_at = now() + make_interval(secs => coalesce(i.delay_secs, "#,
     backoff_sql!("$5", "$6", "$7"),
     r#"))
     FROM locked i
     WHERE m.id = ANY($1::bigint[]) AND m.id = i.id AND NOT i.ends
-    RETURNING m.id
+    RETURNING m.id, i.snoozing
 )
-SELECT id, false AS dead, false AS kept FROM retried
+SELECT id, false AS dead, false AS kept, snoozing FROM retried
 UNION ALL
-SELECT b.id, true AS dead, e.kept FROM buried b JOIN exhausted e ON e.id = b.id
+SELECT b.id, true AS dead, e.kept, false AS snoozing FROM buried b JOIN exhausted e ON e.id = b.id
 "#
 );
 
@@ -486,6 +518,32 @@ impl Store {
     /// Failed for now: back to pending after the backoff (or the given delay), with the error
     /// recorded; dead-lettered instead when that was the last attempt.
     pub async fn retry(&self, retries: &[Retry]) -> Result<RetryReport> {
+        self.retry_or_snooze(retries, None).await
+    }
+
+    /// Puts deliveries off (see [`Snooze`]): each message runs again after its delay without
+    /// using an attempt while it has been snoozed fewer than `max_snoozes` times; past that, the
+    /// snooze is a retry (an attempt used, dead-lettered at the last) whose error says so. A
+    /// message cancelled while it ran goes to the dead letters, as a cancel promises.
+    pub async fn snooze(&self, snoozes: &[Snooze], max_snoozes: i32) -> Result<RetryReport> {
+        let retries: Vec<Retry> = snoozes
+            .iter()
+            .map(|s| Retry {
+                lease: s.lease,
+                error: format!(
+                    "snoozed {max_snoozes} times already (max_snoozes): this snooze uses an attempt"
+                ),
+                delay: Some(s.delay),
+            })
+            .collect();
+        self.retry_or_snooze(&retries, Some(max_snoozes)).await
+    }
+
+    async fn retry_or_snooze(
+        &self,
+        retries: &[Retry],
+        max_snoozes: Option<i32>,
+    ) -> Result<RetryReport> {
         if retries.is_empty() {
             return Ok(RetryReport::default());
         }
@@ -499,7 +557,7 @@ impl Store {
             .collect();
         let b = self.backoff;
         let mut conn = self.conn().await?;
-        let rows: Vec<IdDeadRow> = diesel::sql_query(RETRY)
+        let rows: Vec<RetryRow> = diesel::sql_query(RETRY)
             .bind::<Array<BigInt>, _>(&ids)
             .bind::<Array<BigInt>, _>(&tokens)
             .bind::<Array<Text>, _>(&errors)
@@ -507,10 +565,15 @@ impl Store {
             .bind::<Double, _>(b.base.as_secs_f64())
             .bind::<Double, _>(b.cap.as_secs_f64())
             .bind::<Double, _>(b.jitter)
+            .bind::<Bool, _>(max_snoozes.is_some())
+            .bind::<Integer, _>(max_snoozes.unwrap_or(0))
             .load(&mut conn)
             .await?;
         self.note_kept(rows.iter().filter(|r| r.kept).count() as i64);
-        Ok(retry_report(&ids, rows))
+        let snoozed = rows.iter().filter(|r| r.snoozing).map(|r| r.id).collect();
+        let mut report = retry_report(&ids, rows.into_iter().map(|r| (r.id, r.dead)).collect());
+        report.snoozed = snoozed;
+        Ok(report)
     }
 
     /// Permanent failure: moves the messages to the dead letters with their reasons.
@@ -610,7 +673,10 @@ impl Store {
             })
             .await?;
         self.note_kept(rows.iter().filter(|r| r.kept).count() as i64);
-        Ok(retry_report(&[], rows))
+        Ok(retry_report(
+            &[],
+            rows.into_iter().map(|r| (r.id, r.dead)).collect(),
+        ))
     }
 }
 
@@ -622,13 +688,14 @@ fn settled(requested: &[i64], rows: Vec<IdRow>) -> Settled {
     }
 }
 
-fn retry_report(requested: &[i64], rows: Vec<IdDeadRow>) -> RetryReport {
+/// `rows`: each message's id, and whether it went to the dead letters.
+fn retry_report(requested: &[i64], rows: Vec<(i64, bool)>) -> RetryReport {
     let mut report = RetryReport::default();
-    for r in rows {
-        if r.dead {
-            report.dead.push(r.id);
+    for (id, dead) in rows {
+        if dead {
+            report.dead.push(id);
         } else {
-            report.retried.push(r.id);
+            report.retried.push(id);
         }
     }
     let touched: Vec<i64> = report.retried.iter().chain(&report.dead).copied().collect();

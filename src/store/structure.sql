@@ -139,6 +139,7 @@ CREATE TABLE postbox.messages (
     state postbox.message_state DEFAULT 'available'::postbox.message_state NOT NULL,
     cancelled boolean DEFAULT false NOT NULL,
     ready_xid xid8 DEFAULT pg_current_xact_id() NOT NULL,
+    snoozes integer DEFAULT 0 NOT NULL,
     CONSTRAINT messages_attempts_not_negative CHECK ((attempts >= 0)),
     CONSTRAINT messages_headers_strings CHECK (((jsonb_typeof(headers) = 'object'::text) AND (NOT jsonb_path_exists(headers, '$.*?(@.type() != "string")'::jsonpath)))),
     CONSTRAINT messages_lease_complete CHECK (((locked_until IS NULL) = (lease_token IS NULL))),
@@ -161,6 +162,12 @@ COMMENT ON TABLE postbox.messages IS 'postbox outbox: pending (locked_until IS N
 --
 
 COMMENT ON COLUMN postbox.messages.ready_xid IS 'The transaction that made the message available (insert, promotion, retry, rescue, release): the claim of every topic walks (priority, ready_xid, id) from floors kept per session';
+
+--
+-- Name: COLUMN messages.snoozes; Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON COLUMN postbox.messages.snoozes IS 'Times a handler snoozed the message (ran it again later without using an attempt); engines cap it (max_snoozes)';
 
 --
 -- Name: claim(integer, double precision, boolean, text[], text[], text[], text[], bigint, text); Type: FUNCTION; Schema: postbox; Owner: -

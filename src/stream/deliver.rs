@@ -285,7 +285,14 @@ pub async fn deliver(
             let mine = std::mem::take(&mut by_sink[s]);
             let mut resend_from: Option<usize> = None;
             for (j, mut p) in mine.into_iter().enumerate() {
-                let outcome = outcomes.get(j).cloned();
+                // A stream message has no row to put off: a snooze is a retry after its delay.
+                let outcome = outcomes.get(j).cloned().map(|o| match o {
+                    Outcome::Snooze { delay } => Outcome::Retry {
+                        reason: "snoozed (a stream message waits in the stream: a try used)".into(),
+                        delay: Some(delay),
+                    },
+                    o => o,
+                });
                 if resend_from.is_some() {
                     keep.push(p);
                     continue;

@@ -1,0 +1,1 @@
+ALTER TABLE postbox.messages DROP COLUMN snoozes;
