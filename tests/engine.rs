@@ -1119,3 +1119,254 @@ async fn a_snooze_runs_the_message_again_later_without_using_an_attempt_up_to_th
     assert_eq!(dead.len(), 1);
     assert!(dead[0].reason.contains("max_snoozes"), "{}", dead[0].reason);
 }
+
+/// A handler's transaction: the completion record, the work (a row of the app's) and a
+/// follow-up message, committed together or not at all.
+type Pool = bb8::Pool<
+    diesel_async::pooled_connection::AsyncDieselConnectionManager<diesel_async::AsyncPgConnection>,
+>;
+
+async fn app_pool(db: &TestDb) -> Pool {
+    db.exec("CREATE TABLE effects (message_id bigint NOT NULL)");
+    bb8::Pool::builder()
+        .max_size(8)
+        .build(diesel_async::pooled_connection::AsyncDieselConnectionManager::new(&db.url))
+        .await
+        .unwrap()
+}
+
+/// Does `job`'s work in one transaction with its completion and a follow-up message; `fail`
+/// rolls it back after the work. Ok(false): an earlier delivery had done it.
+async fn work_in_a_transaction(
+    pool: &Pool,
+    job: &Job<String>,
+    fail: bool,
+) -> Result<bool, HandlerError> {
+    use diesel_async::{AsyncConnection, RunQueryDsl};
+    let mut conn = pool
+        .get()
+        .await
+        .map_err(|e| HandlerError::retry(e.to_string()))?;
+    let did = conn
+        .transaction::<_, postbox::Error, _>(async |conn| {
+            if !job.complete_in(conn).await? {
+                return Ok(false);
+            }
+            diesel::sql_query("INSERT INTO effects (message_id) VALUES ($1)")
+                .bind::<diesel::sql_types::BigInt, _>(job.id)
+                .execute(conn)
+                .await?;
+            postbox::enqueue_async(conn, &Message::new("followups").payload(&job.id)).await?;
+            if fail {
+                return Err(postbox::Error::InvalidArgument {
+                    field: "work",
+                    problem: "failed after its writes".into(),
+                });
+            }
+            Ok(true)
+        })
+        .await?;
+    Ok(did)
+}
+
+/// Each message's work, its completion and its follow-up messages commit together or not at all,
+/// and happen once: a transaction that rolls back leaves nothing and the message is retried; a
+/// delivery cut off after its commit (the engine never recorded the outcome: a failed attempt) is
+/// delivered again and finds its work done. Leased messages here (`hold_limit` 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_completes_its_message_in_its_own_transaction_once() {
+    let db = TestDb::migrated();
+    let pool = app_pool(&db).await;
+    let calls: Arc<Mutex<Vec<(String, bool)>>> = Arc::default();
+    let (p, c) = (pool.clone(), calls.clone());
+    let handlers = Handlers::new().on("orders", move |job: Job<String>| {
+        let (pool, calls) = (p.clone(), c.clone());
+        async move {
+            let first = !calls.lock().unwrap().iter().any(|c| c.0 == job.payload);
+            let did = work_in_a_transaction(&pool, &job, job.payload == "rollback" && first).await;
+            calls
+                .lock()
+                .unwrap()
+                .push((job.payload.clone(), *did.as_ref().unwrap_or(&false)));
+            did?;
+            if job.payload == "hang" && first {
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+            }
+            Ok(())
+        }
+    });
+    let engine = Engine::builder(&db.url)
+        .handlers(handlers)
+        .backoff(fast_backoff())
+        .hold_limit(Duration::ZERO)
+        .delivery_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .unwrap();
+    let running = start(engine);
+    let msgs = ["plain", "rollback", "hang"].map(|k| Message::new("orders").payload(&k));
+    postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            running.counters.snapshot().delivered == 3
+        })
+        .await,
+        "{:?}",
+        running.counters.snapshot()
+    );
+    let report = running.stop().await;
+    assert_eq!(
+        report.retried, 2,
+        "the rollback and the cut-off delivery: {report:?}"
+    );
+    let calls = calls.lock().unwrap().clone();
+    let of = |k: &str| {
+        calls
+            .iter()
+            .filter(|c| c.0 == k)
+            .map(|c| c.1)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(of("plain"), [true]);
+    assert_eq!(of("rollback"), [false, true], "rolled back, then done");
+    assert_eq!(of("hang"), [true, false], "done, then found done");
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM effects"), 3);
+    assert_eq!(
+        db.scalar("SELECT count(DISTINCT message_id) AS v FROM effects"),
+        3
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE topic = 'followups'"),
+        3,
+        "one follow-up each, none from the rolled-back transaction"
+    );
+    // The records of settled messages are dropped by the upkeep.
+    let store = postbox::Store::connect(&db.url, 2).await.unwrap();
+    store.forget_completions().await.unwrap();
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.completed_in_tx"),
+        0
+    );
+    // Outside a transaction it refuses (it would mark the work done before it is).
+    let mut conn = pool.get().await.unwrap();
+    let job_id = db.scalar("SELECT min(id) AS v FROM postbox.messages");
+    let err = postbox::store::completion::complete_in(&mut conn, job_id, 1)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("inside the transaction"), "{err}");
+    // A delivery is named by its lease token: a message not leased under it (a lost lease, or a
+    // role guessing) is refused, and its transaction's work rolls back with it.
+    use diesel_async::AsyncConnection;
+    let refused = conn
+        .transaction::<(), postbox::Error, _>(async |conn| {
+            postbox::store::completion::complete_in(conn, job_id, 1).await?;
+            Ok(())
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        refused
+            .to_string()
+            .contains("no longer delivered under this lease"),
+        "{refused}"
+    );
+}
+
+/// Held batches: the engine's connections holding them are cut (as when a relay dies) after a
+/// handler committed its work and before the hold recorded it; every held message is delivered
+/// again, and each message's work still happens once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_messages_whose_hold_is_lost_after_the_handler_committed_are_not_done_twice() {
+    let db = TestDb::migrated();
+    let pool = app_pool(&db).await;
+    let committed = Arc::new(tokio::sync::Notify::new());
+    let go = Arc::new(tokio::sync::Notify::new());
+    let state_then: Arc<Mutex<Option<String>>> = Arc::default();
+    let calls: Arc<Mutex<Vec<(String, bool)>>> = Arc::default();
+    let (p, c, done, resume) = (pool.clone(), calls.clone(), committed.clone(), go.clone());
+    let url = db.url.clone();
+    let state = state_then.clone();
+    let handlers = Handlers::new().on("orders", move |job: Job<String>| {
+        let (pool, calls, done, resume) = (p.clone(), c.clone(), done.clone(), resume.clone());
+        let (url, state) = (url.clone(), state.clone());
+        async move {
+            let first = !calls.lock().unwrap().iter().any(|c| c.0 == job.payload);
+            let did = work_in_a_transaction(&pool, &job, false).await?;
+            calls.lock().unwrap().push((job.payload.clone(), did));
+            if job.payload == "cut" && first {
+                let mut conn = diesel::PgConnection::establish(&url).unwrap();
+                #[derive(diesel::QueryableByName)]
+                struct S {
+                    #[diesel(sql_type = diesel::sql_types::Text)]
+                    state: String,
+                }
+                use diesel::RunQueryDsl;
+                let s: S = diesel::sql_query(format!(
+                    "SELECT state::text AS state FROM postbox.messages WHERE id = {}",
+                    job.id
+                ))
+                .get_result(&mut conn)
+                .unwrap();
+                *state.lock().unwrap() = Some(s.state);
+                done.notify_one();
+                resume.notified().await;
+            }
+            Ok(())
+        }
+    });
+    let msgs: Vec<Message> = (0..60)
+        .map(|i| {
+            Message::new("orders").payload(&if i == 5 {
+                "cut".to_owned()
+            } else {
+                format!("m{i}")
+            })
+        })
+        .collect();
+    postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
+    let engine = Engine::builder(&db.url)
+        .handlers(handlers)
+        .batch_size(10)
+        // The hold waits for its handlers however slow the machine (it is cut before then).
+        .hold_limit(Duration::from_secs(20))
+        .build()
+        .await
+        .unwrap();
+    let running = start(engine);
+    tokio::time::timeout(Duration::from_secs(30), committed.notified())
+        .await
+        .expect("the handler committed");
+    assert_eq!(
+        state_then.lock().unwrap().as_deref(),
+        Some("available"),
+        "held (not leased) when its handler ran"
+    );
+    // Every hold open now is lost: its transaction ends without a commit.
+    let cut = db.scalar(
+        "SELECT count(pg_terminate_backend(pid)) AS v FROM pg_stat_activity
+         WHERE datname = current_database() AND state = 'idle in transaction' AND pid <> pg_backend_pid()",
+    );
+    assert!(cut >= 1, "no hold was open");
+    go.notify_one();
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE topic = 'orders'") == 0
+        })
+        .await,
+        "{:?}",
+        running.counters.snapshot()
+    );
+    running.stop().await;
+    let calls = calls.lock().unwrap().clone();
+    let cut_calls: Vec<bool> = calls.iter().filter(|c| c.0 == "cut").map(|c| c.1).collect();
+    assert_eq!(cut_calls, [true, false], "done, then found done");
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM effects"), 60);
+    assert_eq!(
+        db.scalar("SELECT count(DISTINCT message_id) AS v FROM effects"),
+        60
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE topic = 'followups'"),
+        60
+    );
+}

@@ -212,6 +212,8 @@ async fn a_writer_enqueues_and_publishes_and_can_do_nothing_else() {
         "SELECT * FROM postbox.claim(10, 30, true, '{}', '{}', '{}', '{}', 1, 'w')",
         "SELECT postbox.completed_partitions('1 hour')",
         "INSERT INTO postbox.pauses (pattern) VALUES ('orders')",
+        // A handler's completion goes through postbox.complete_in_tx, for its own delivery.
+        "INSERT INTO postbox.completed_in_tx (id) VALUES (1)",
         "CREATE TABLE postbox.mine (id int)",
         "ALTER TABLE postbox.messages ADD COLUMN mine int",
         // The triggers that run as the owner cannot be put on a table of the writer's own (whose
@@ -223,6 +225,16 @@ async fn a_writer_enqueues_and_publishes_and_can_do_nothing_else() {
     ] {
         refused(&mut app, sql);
     }
+    // The writer may record a completion, but only for a delivery it holds the lease token of.
+    let forged = app
+        .batch_execute("BEGIN; SELECT postbox.complete_in_tx(1, 1); ROLLBACK")
+        .unwrap_err()
+        .to_string();
+    app.batch_execute("ROLLBACK").unwrap();
+    assert!(
+        forged.contains("no longer delivered under this lease"),
+        "{forged}"
+    );
     // Nor by a role given EXECUTE on them by hand: they run on postbox.messages only.
     owner
         .batch_execute("GRANT EXECUTE ON FUNCTION postbox.messages_after_replay() TO app")

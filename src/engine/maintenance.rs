@@ -90,6 +90,10 @@ impl Rescuer {
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "finishing kept heads failed"),
         }
+        // Completions handlers recorded in their transactions, of messages now gone.
+        if let Err(e) = self.store.forget_completions().await {
+            tracing::warn!(error = %e, "dropping the completion records of settled messages failed");
+        }
         // After the rescues, and never in their way: a repair that fails is tried again next
         // tick.
         match self.store.repair(REPAIR_BATCH).await {

@@ -36,6 +36,52 @@ pub struct Job<T> {
     pub created_at: DateTime<Utc>,
     /// The error of the previous attempt, if any.
     pub last_error: Option<String>,
+    /// The token of this delivery's lease (or of the held batch it is in): what
+    /// [`Job::complete_in`] names this delivery with.
+    pub lease_token: i64,
+}
+
+impl<T> Job<T> {
+    /// Records, in the app's transaction open on `conn`, that this message's work is done
+    /// (River's `JobCompleteTx`): do the work, enqueue its follow-up messages, and call this in the
+    /// same transaction, **before** the work. It returns true when this transaction is the first
+    /// to record it: do the work. False: an earlier delivery of this message committed its work
+    /// (the engine stopped between that commit and recording the outcome, a lease expired, a held
+    /// batch rolled back): skip the work and return `Ok(())`. A delivery of the same message still
+    /// running elsewhere is waited for. If the transaction rolls back, nothing is recorded and the
+    /// message is retried as usual. Works for leased and held messages alike (it takes no lock on
+    /// the message); needs the writer's grants (`postbox grant --writer`); a stream message has no
+    /// row and is refused.
+    ///
+    /// ```no_run
+    /// # use postbox::sink::handlers::{HandlerError, Job};
+    /// # async fn handle(job: Job<i64>, pool: &postbox::store::Pool) -> Result<(), HandlerError> {
+    /// use diesel_async::AsyncConnection;
+    /// let mut conn = pool.get().await.map_err(|e| HandlerError::retry(e.to_string()))?;
+    /// conn.transaction::<_, postbox::Error, _>(async |conn| {
+    ///     if !job.complete_in(conn).await? {
+    ///         return Ok(()); // done by an earlier delivery
+    ///     }
+    ///     // ... the work, on `conn` ...
+    ///     postbox::enqueue_async(conn, &postbox::Message::new("invoice.sent").payload(&job.payload)).await?;
+    ///     Ok(())
+    /// })
+    /// .await?;
+    /// Ok(())
+    /// # }
+    /// ```
+    pub async fn complete_in(
+        &self,
+        conn: &mut diesel_async::AsyncPgConnection,
+    ) -> crate::Result<bool> {
+        crate::store::completion::complete_in(conn, self.id, self.lease_token).await
+    }
+
+    /// [`Job::complete_in`] on a sync connection (a handler that runs its work in
+    /// `spawn_blocking`).
+    pub fn complete_in_sync(&self, conn: &mut diesel::PgConnection) -> crate::Result<bool> {
+        crate::store::completion::complete_in_sync(conn, self.id, self.lease_token)
+    }
 }
 
 /// How a handler fails. Any `std::error::Error` converts into a retry (so `?` works); ask for
@@ -204,6 +250,7 @@ impl Handlers {
                 max_attempts: m.max_attempts,
                 created_at: m.created_at,
                 last_error: m.last_error,
+                lease_token: m.lease_token,
             };
             #[cfg(feature = "otel")]
             let fut = {

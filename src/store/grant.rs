@@ -129,6 +129,13 @@ pub const TABLES: &[TableAccess] = &[
         relay: None,
         operator: None,
     },
+    // Handlers' transactions record their completions (through `postbox.complete_in_tx`, which
+    // runs as the owner); the relay's upkeep drops those of messages gone.
+    TableAccess {
+        table: "completed_in_tx",
+        relay: ALL_DML,
+        operator: READ,
+    },
     // The migrations applied: readable by PUBLIC (a role with nothing to apply sees so), written
     // by the owner's `postbox migrate`.
     TableAccess {
@@ -176,6 +183,11 @@ pub fn grant_sql(kind: RoleKind, role: &str) -> Vec<String> {
             // What the insert's wake-up and `postbox.publish` look at: no message in either.
             sql.push(format!("GRANT SELECT ON postbox.listeners TO {r}"));
             sql.push(format!("GRANT SELECT ON postbox.stream_slots TO {r}"));
+            // A handler's transaction records its completion (`Job::complete_in`), for the
+            // delivery its lease token names.
+            sql.push(format!(
+                "GRANT EXECUTE ON FUNCTION postbox.complete_in_tx(bigint, bigint) TO {r}"
+            ));
             sql.push(format!(
                 "GRANT EXECUTE ON FUNCTION postbox.publish(text[]) TO {r}"
             ));

@@ -93,8 +93,8 @@ locked AS (
 /// The most messages a hold takes behind one ordered head.
 const MAX_FOLLOWERS: usize = 64;
 
-const REGISTER: &str = "INSERT INTO postbox.holds (xid, ids, held_by, hold_limit)
-VALUES ($1::text::xid8, $2, $3, make_interval(secs => $4))";
+const REGISTER: &str = "INSERT INTO postbox.holds (xid, ids, held_by, hold_limit, token)
+VALUES ($1::text::xid8, $2, $3, make_interval(secs => $4), $5)";
 
 /// How long past its limit the server lets a hold's transaction sit idle before it ends it (and
 /// the session): a frozen or cut-off relay's rows are claimable again after the limit plus this.
@@ -384,6 +384,7 @@ impl Store {
             .bind::<Array<BigInt>, _>(&hold.ids)
             .bind::<Text, _>(&*self.owner)
             .bind::<Double, _>(hold.limit.as_secs_f64())
+            .bind::<BigInt, _>(hold.token)
             .execute(&mut *self.conn().await?)
             .await?;
         Ok(())

@@ -115,6 +115,8 @@ mod check;
 #[cfg(feature = "async")]
 mod claim;
 #[cfg(feature = "async")]
+pub mod completion;
+#[cfg(feature = "async")]
 pub mod connect;
 #[cfg(feature = "cron")]
 mod cron;

@@ -629,6 +629,29 @@ END
 $$;
 
 --
+-- Name: complete_in_tx(bigint, bigint); Type: FUNCTION; Schema: postbox; Owner: -
+--
+
+CREATE FUNCTION postbox.complete_in_tx(p_id bigint, p_token bigint) RETURNS boolean
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog', 'pg_temp'
+    AS $$
+BEGIN
+    IF NOT EXISTS (
+        SELECT FROM postbox.messages m
+        WHERE m.id = p_id
+          AND ((m.state = 'running' AND m.lease_token = p_token)
+               OR (m.state = 'available'
+                   AND EXISTS (SELECT FROM postbox.holds h WHERE h.token = p_token AND p_id = ANY (h.ids))))
+    ) THEN
+        RAISE EXCEPTION 'postbox: message % is no longer delivered under this lease (it expired, or the message was settled): its work is not recorded', p_id;
+    END IF;
+    INSERT INTO postbox.completed_in_tx (id) VALUES (p_id) ON CONFLICT (id) DO NOTHING;
+    RETURN FOUND;
+END
+$$;
+
+--
 -- Name: completed_expired(timestamp with time zone); Type: FUNCTION; Schema: postbox; Owner: -
 --
 
@@ -1729,6 +1752,21 @@ CREATE TABLE postbox.completed (
 PARTITION BY RANGE (delivered_at);
 
 --
+-- Name: completed_in_tx; Type: TABLE; Schema: postbox; Owner: -
+--
+
+CREATE TABLE postbox.completed_in_tx (
+    id bigint NOT NULL,
+    at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+--
+-- Name: TABLE completed_in_tx; Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON TABLE postbox.completed_in_tx IS 'Messages whose handler committed their work in its own transaction (Job::complete_in): a redelivery skips the work; dropped once the message is gone';
+
+--
 -- Name: dead_letters; Type: TABLE; Schema: postbox; Owner: -
 --
 
@@ -1777,7 +1815,8 @@ CREATE TABLE postbox.holds (
     ids bigint[] NOT NULL,
     held_by text NOT NULL,
     held_at timestamp with time zone DEFAULT now() NOT NULL,
-    hold_limit interval
+    hold_limit interval,
+    token bigint
 )
 WITH (autovacuum_vacuum_threshold='100', autovacuum_vacuum_scale_factor='0', autovacuum_analyze_threshold='100', autovacuum_analyze_scale_factor='0', toast.autovacuum_vacuum_threshold='100', toast.autovacuum_vacuum_scale_factor='0');
 ALTER TABLE ONLY postbox.holds ALTER COLUMN ids SET STORAGE EXTERNAL;
@@ -1922,6 +1961,13 @@ COMMENT ON TABLE postbox.turns IS 'postbox: what relays take turns on (a running
 
 ALTER TABLE ONLY postbox.behind
     ADD CONSTRAINT behind_pkey PRIMARY KEY (topic, key, id);
+
+--
+-- Name: completed_in_tx completed_in_tx_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -
+--
+
+ALTER TABLE ONLY postbox.completed_in_tx
+    ADD CONSTRAINT completed_in_tx_pkey PRIMARY KEY (id);
 
 --
 -- Name: dead_letters dead_letters_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -
