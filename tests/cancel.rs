@@ -133,3 +133,41 @@ async fn cancelled_messages_go_to_the_dead_letters_and_running_ones_are_not_retr
         "nothing named"
     );
 }
+
+/// A message cancelled while it ran and then snoozed by its handler goes to the dead letters with
+/// reason `cancelled`, its own errors kept (not the text a snooze past the cap would record).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_cancelled_while_running_and_then_snoozed_is_a_cancelled_dead_letter() {
+    let db = TestDb::migrated();
+    let store = db.store().await;
+    let ids = enqueue(&db, vec![Message::new("s")]);
+    db.exec(&format!(
+        "UPDATE postbox.messages SET last_error = 'earlier', first_error = 'first' WHERE id = {}",
+        ids[0]
+    ));
+    let claimed = store.claim(1, LEASE, &Topics::exact(["s"])).await.unwrap();
+    store
+        .cancel(&CancelSelector::Ids(ids.clone()))
+        .await
+        .unwrap();
+    let report = store
+        .snooze(
+            &[postbox::store::Snooze {
+                lease: claimed[0].lease(),
+                delay: Duration::from_secs(60),
+            }],
+            5,
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.dead, ids, "{report:?}");
+    assert!(report.snoozed.is_empty(), "{report:?}");
+    assert_eq!(
+        db.scalar(&format!(
+            "SELECT count(*) AS v FROM postbox.dead_letters
+             WHERE id = {} AND reason = 'cancelled' AND last_error = 'earlier' AND first_error = 'first'",
+            ids[0]
+        )),
+        1
+    );
+}

@@ -1192,6 +1192,9 @@ async fn a_handler_completes_its_message_in_its_own_transaction_once() {
             if job.payload == "hang" && first {
                 tokio::time::sleep(Duration::from_secs(3600)).await;
             }
+            if job.payload == "dead after its work" && first {
+                return Err(HandlerError::dead("after its work"));
+            }
             Ok(())
         }
     });
@@ -1204,11 +1207,34 @@ async fn a_handler_completes_its_message_in_its_own_transaction_once() {
         .await
         .unwrap();
     let running = start(engine);
-    let msgs = ["plain", "rollback", "hang"].map(|k| Message::new("orders").payload(&k));
+    let msgs = ["plain", "rollback", "hang", "dead after its work"]
+        .map(|k| Message::new("orders").payload(&k));
     postbox::enqueue_many(&mut db.conn(), &msgs).unwrap();
     assert!(
         eventually(Duration::from_secs(30), || async {
-            running.counters.snapshot().delivered == 3
+            let s = running.counters.snapshot();
+            s.delivered == 3 && s.dead_lettered == 1
+        })
+        .await,
+        "{:?}",
+        running.counters.snapshot()
+    );
+    // A dead letter keeps its record: replayed, it is completed without doing its work again.
+    let store = postbox::Store::connect(&db.url, 2).await.unwrap();
+    store.forget_completions().await.unwrap();
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.completed_in_tx"),
+        1,
+        "the dead letter's record is kept"
+    );
+    let replayed = store
+        .dead_replay(&postbox::store::DeadSelector::Topic("orders".into()))
+        .await
+        .unwrap();
+    assert_eq!(replayed.replayed.len(), 1, "{replayed:?}");
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            running.counters.snapshot().delivered == 4
         })
         .await,
         "{:?}",
@@ -1230,18 +1256,22 @@ async fn a_handler_completes_its_message_in_its_own_transaction_once() {
     assert_eq!(of("plain"), [true]);
     assert_eq!(of("rollback"), [false, true], "rolled back, then done");
     assert_eq!(of("hang"), [true, false], "done, then found done");
-    assert_eq!(db.scalar("SELECT count(*) AS v FROM effects"), 3);
+    assert_eq!(
+        of("dead after its work"),
+        [true, false],
+        "done, dead-lettered, replayed: found done"
+    );
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM effects"), 4);
     assert_eq!(
         db.scalar("SELECT count(DISTINCT message_id) AS v FROM effects"),
-        3
+        4
     );
     assert_eq!(
         db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE topic = 'followups'"),
-        3,
+        4,
         "one follow-up each, none from the rolled-back transaction"
     );
     // The records of settled messages are dropped by the upkeep.
-    let store = postbox::Store::connect(&db.url, 2).await.unwrap();
     store.forget_completions().await.unwrap();
     assert_eq!(
         db.scalar("SELECT count(*) AS v FROM postbox.completed_in_tx"),
@@ -1260,6 +1290,23 @@ async fn a_handler_completes_its_message_in_its_own_transaction_once() {
     let refused = conn
         .transaction::<(), postbox::Error, _>(async |conn| {
             postbox::store::completion::complete_in(conn, job_id, 1).await?;
+            Ok(())
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        refused
+            .to_string()
+            .contains("no longer delivered under this lease"),
+        "{refused}"
+    );
+    // Token 0 (a head kept for a writer after its delivery) names no delivery.
+    db.exec(&format!(
+        "UPDATE postbox.messages SET state = 'running', lease_token = 0, locked_until = now() + interval '1 minute', locked_by = 'x' WHERE id = {job_id}"
+    ));
+    let refused = conn
+        .transaction::<(), postbox::Error, _>(async |conn| {
+            postbox::store::completion::complete_in(conn, job_id, 0).await?;
             Ok(())
         })
         .await

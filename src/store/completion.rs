@@ -13,11 +13,20 @@ use crate::message::MessageId;
 /// transaction committed it (one still open is waited for).
 const RECORD: &str = "SELECT postbox.complete_in_tx($1, $2) AS first";
 
-/// The records of messages that are gone (delivered, dead-lettered), a batch at a time.
+/// Records dropped per statement.
+const FORGET_BATCH: usize = 10_000;
+
+/// The records of messages that are gone from the table and from the dead letters (delivered, or
+/// purged), a batch at a time, each by its primary key; rows another relay is dropping are
+/// skipped. A replay moves a dead letter back in one transaction, so a message is always in one
+/// of the two while it can be delivered again: its record is never dropped meanwhile.
 const FORGET: &str = "DELETE FROM postbox.completed_in_tx c
-    WHERE c.id IN (SELECT r.id FROM postbox.completed_in_tx r
-                   WHERE NOT EXISTS (SELECT FROM postbox.messages m WHERE m.id = r.id)
-                   LIMIT 10000)";
+    WHERE c.id = ANY (ARRAY(
+        SELECT r.id FROM postbox.completed_in_tx r
+        WHERE NOT EXISTS (SELECT FROM postbox.messages m WHERE m.id = r.id)
+          AND NOT EXISTS (SELECT FROM postbox.dead_letters d WHERE d.id = r.id)
+        LIMIT 10000
+        FOR UPDATE SKIP LOCKED))";
 
 #[derive(QueryableByName)]
 struct Recorded {
@@ -92,11 +101,18 @@ pub fn complete_in_sync(
 }
 
 impl Store {
-    /// Drops the completion records of messages that are gone; how many.
+    /// Drops the completion records of messages that are gone (from the table and the dead
+    /// letters), a batch at a time until fewer than a batch are left; how many.
     pub async fn forget_completions(&self) -> Result<usize> {
         use diesel_async::RunQueryDsl;
-        Ok(diesel::sql_query(FORGET)
-            .execute(&mut *self.conn().await?)
-            .await?)
+        let mut total = 0;
+        let mut conn = self.conn().await?;
+        loop {
+            let n = diesel::sql_query(FORGET).execute(&mut *conn).await?;
+            total += n;
+            if n < FORGET_BATCH {
+                return Ok(total);
+            }
+        }
     }
 }

@@ -247,7 +247,9 @@ locked AS (
     ),
     r#",
 exhausted AS (
-    SELECT taken.*, l.error FROM taken JOIN locked l ON l.id = taken.id
+    -- A snooze that ends here was cancelled: its text is no error of the message's.
+    SELECT taken.*, CASE WHEN l.snoozing THEN taken.last_error ELSE l.error END AS error
+    FROM taken JOIN locked l ON l.id = taken.id
 ),
 "#,
     promote_heads_cte!("exhausted"),
