@@ -695,6 +695,24 @@ fn migrate_grants_again_and_revoke_takes_everything_back() {
     ok(&postbox(&db.url, &["migrate"]));
     app.batch_execute("INSERT INTO postbox.messages (topic, payload) VALUES ('t', '{}')")
         .unwrap();
+    // The library's migrate too, as an app that migrates at start after an upgrade: the latest
+    // migration's objects made anew get the recorded roles' rights.
+    {
+        use diesel_migrations::MigrationHarness;
+        let mut owner = db.conn();
+        postbox::Migrations::new(&mut owner)
+            .revert_last_migration(postbox::MIGRATIONS)
+            .unwrap();
+        assert_eq!(postbox::migrate(&mut owner).unwrap().len(), 1);
+    }
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) AS v WHERE has_function_privilege('postbox_writer', 'postbox.complete_in_tx(bigint, bigint)', 'EXECUTE')
+               AND has_table_privilege('postbox_relay', 'postbox.completed_in_tx', 'DELETE')"
+        ),
+        1,
+        "granted again by postbox::migrate"
+    );
 
     let text = ok(&postbox(&db.url, &["grant", "--revoke", "postbox_writer"]));
     assert!(text.contains("granted as: writer"), "{text}");

@@ -240,7 +240,7 @@ where
         return Ok(Vec::new());
     }
     let names: Vec<String> = waiting.iter().map(|m| m.name().to_string()).collect();
-    harness
+    let applied: Vec<String> = harness
         .run_migrations(&waiting)
         .map(|v| v.iter().map(|v| v.to_string()).collect())
         .map_err(|e| {
@@ -255,7 +255,51 @@ where
             } else {
                 Error::Migration(text)
             }
-        })
+        })?;
+    #[cfg(feature = "async")]
+    grant_again(conn, &applied)?;
+    Ok(applied)
+}
+
+/// The roles `postbox grant` recorded get their rights again, on what the migrations created (as
+/// `postbox migrate` does).
+#[cfg(feature = "async")]
+fn grant_again<C>(conn: &mut C, applied: &[String]) -> Result<()>
+where
+    C: diesel::Connection<Backend = Pg> + diesel::connection::LoadConnection + 'static,
+{
+    use super::grant::{RoleKind, grant_sql};
+    #[derive(diesel::QueryableByName)]
+    struct Granted {
+        #[diesel(sql_type = Text)]
+        role: String,
+        #[diesel(sql_type = Text)]
+        kind: String,
+    }
+    let grants: Vec<Granted> =
+        diesel::sql_query(
+            "SELECT role, kind FROM postbox.grants g
+             WHERE EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.rolname = g.role)
+             ORDER BY role, kind",
+        )
+        .load(conn)?;
+    for g in grants {
+        let Some(kind) = RoleKind::parse(&g.kind) else {
+            continue;
+        };
+        if let Err(e) = conn.batch_execute(&grant_sql(kind, &g.role).join(";\n")) {
+            return Err(Error::Migration(format!(
+                "migrations applied ({}), but giving role {} its {} rights again failed: {e}: \
+                 run `postbox grant --{} {}`",
+                applied.join(", "),
+                g.role,
+                kind.name(),
+                kind.name(),
+                g.role
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// [`migrate`] on an async connection: diesel's migration harness over diesel-async's
