@@ -48,7 +48,7 @@ pub mod engine;
 pub mod enqueue;
 pub mod error;
 pub mod message;
-#[cfg(feature = "relay")]
+#[cfg(feature = "metrics")]
 pub mod metrics;
 #[cfg(feature = "otel")]
 pub mod otel;

@@ -956,7 +956,7 @@ async fn an_app_pool_without_postbox_session_settings_is_refused_or_warned_at_bu
 /// An embedded engine exports the relay's series on the app's own registry in one call: its
 /// deliveries, and the database's gauges sampled while it runs (a topic it does not serve stays
 /// in the table and shows in the queue depth). A second export on the same registry is refused.
-#[cfg(feature = "relay")]
+#[cfg(feature = "metrics")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_embedded_engine_exports_the_relays_metrics_on_the_apps_registry() {
     use postbox::metrics::prometheus::{Encoder, Registry, TextEncoder};

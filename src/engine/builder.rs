@@ -20,7 +20,7 @@ pub struct EngineBuilder {
     schedules: Vec<CronSchedule>,
     limits: Vec<Limit>,
     budget: Option<Arc<PayloadBudget>>,
-    #[cfg(feature = "relay")]
+    #[cfg(feature = "metrics")]
     metrics: Option<prometheus::Registry>,
 }
 
@@ -35,7 +35,7 @@ impl EngineBuilder {
             config: EngineConfig::default(),
             backoff: None,
             observer: Arc::new(NoObserver),
-            #[cfg(feature = "relay")]
+            #[cfg(feature = "metrics")]
             metrics: None,
             listen: true,
             #[cfg(feature = "cron")]
@@ -165,7 +165,7 @@ impl EngineBuilder {
     /// [`SAMPLE_INTERVAL`](crate::metrics::SAMPLE_INTERVAL) while the engine runs, so the
     /// shipped dashboard and alerts work for an embedded engine. In place of an
     /// [`observer`](Self::observer); `build()` fails if the registry has them already.
-    #[cfg(feature = "relay")]
+    #[cfg(feature = "metrics")]
     pub fn metrics(mut self, registry: &prometheus::Registry) -> Self {
         self.metrics = Some(registry.clone());
         self
@@ -268,7 +268,7 @@ impl EngineBuilder {
         let budget = self
             .budget
             .unwrap_or_else(|| PayloadBudget::new(self.config.payload_budget));
-        #[cfg(feature = "relay")]
+        #[cfg(feature = "metrics")]
         let (observer, metrics) = match &self.metrics {
             Some(registry) => {
                 let m = crate::metrics::Metrics::register_on(registry)?;
@@ -276,7 +276,7 @@ impl EngineBuilder {
             }
             None => (self.observer, None),
         };
-        #[cfg(not(feature = "relay"))]
+        #[cfg(not(feature = "metrics"))]
         let observer = self.observer;
         Ok(Engine {
             store,
@@ -284,7 +284,7 @@ impl EngineBuilder {
             config: self.config,
             database_url: self.database_url,
             observer,
-            #[cfg(feature = "relay")]
+            #[cfg(feature = "metrics")]
             metrics,
             counters: Arc::new(Counters::default()),
             listen: self.listen,

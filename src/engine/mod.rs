@@ -81,7 +81,7 @@ pub struct Engine {
     schedules: Vec<CronSchedule>,
     limits: Vec<Limit>,
     budget: Arc<PayloadBudget>,
-    #[cfg(feature = "relay")]
+    #[cfg(feature = "metrics")]
     metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
@@ -130,7 +130,7 @@ impl Engine {
             inner: self.observer.clone(),
         });
         let background = CancellationToken::new();
-        #[cfg(feature = "relay")]
+        #[cfg(feature = "metrics")]
         if let Some(m) = &self.metrics {
             tokio::spawn(crate::metrics::sample(
                 self.store.clone(),
