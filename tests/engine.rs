@@ -868,7 +868,7 @@ impl std::io::Write for LogBuffer {
 /// postbox logs through `tracing`: an app with a subscriber sees one info line when its engine
 /// starts, naming what it serves.
 #[tokio::test]
-async fn an_engine_says_at_info_that_it_runs_and_what_it_serves() {
+async fn an_engine_says_at_info_that_it_runs_and_what_it_serves_and_that_it_stopped() {
     use tracing_subscriber::util::SubscriberInitExt;
     let logs = LogBuffer::default();
     let writer = logs.clone();
@@ -895,6 +895,12 @@ async fn an_engine_says_at_info_that_it_runs_and_what_it_serves() {
     assert!(
         line.contains("INFO") && line.contains("billing.*"),
         "{line}"
+    );
+    assert!(
+        text.lines().any(|l| l.contains("INFO")
+            && l.contains("postbox engine stopped")
+            && l.contains("delivered: 0")),
+        "{text}"
     );
 }
 
@@ -1416,4 +1422,21 @@ async fn held_messages_whose_hold_is_lost_after_the_handler_committed_are_not_do
         db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE topic = 'followups'"),
         60
     );
+}
+
+/// A database that cannot be reached is said at build with the server's own words (the pool
+/// alone would time out after 10 s saying only that).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_on_a_database_that_does_not_exist_says_so_at_build() {
+    let db = TestDb::migrated();
+    let url = format!("{}_missing", db.url);
+    let e = match Engine::builder(url)
+        .handlers(recording("t", Seen::default()))
+        .build()
+        .await
+    {
+        Ok(_) => panic!("built on a database that does not exist"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("does not exist"), "{e}");
 }

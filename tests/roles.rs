@@ -777,7 +777,8 @@ fn migrate_names_the_privilege_it_lacks() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("1 migration(s) pending") && err.contains("the role that owns schema postbox"),
+        err.contains("1 migration(s) pending")
+            && err.contains("the role that owns schema postbox, deployer"),
         "{err}"
     );
     ok(&migrate("deployer"));
@@ -900,7 +901,8 @@ async fn an_engine_on_the_writer_role_fails_to_build_naming_the_missing_privileg
     assert!(
         e.contains("database_url")
             && e.contains("UPDATE on postbox.messages")
-            && e.contains("postbox_relay"),
+            && e.contains("of the relay's rights")
+            && e.contains("postbox grant --relay ROLE"),
         "{e}"
     );
     assert!(

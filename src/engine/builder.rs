@@ -225,7 +225,12 @@ impl EngineBuilder {
         let mut store = match (self.store, self.pool) {
             (Some(s), _) => s,
             (None, Some(p)) => Store::new(p),
-            (None, None) => Store::connect(&self.database_url, DEFAULT_POOL_SIZE).await?,
+            (None, None) => {
+                // One connection first: the server's own error (a database that does not exist,
+                // a refused login) at once, where the pool would time out without it.
+                drop(crate::store::connect::establish(&self.database_url).await?);
+                Store::connect(&self.database_url, DEFAULT_POOL_SIZE).await?
+            }
         };
         if given {
             // A pool of the app's: its connections may lack the store's session settings.
@@ -251,11 +256,20 @@ impl EngineBuilder {
         // rights (an app's writer role) would retry for ever at WARN. Said now, by name.
         let missing = store.missing_relay_privileges().await?;
         if !missing.is_empty() {
+            // Most of them missing: a writer's role, or none of postbox's; said in a line.
+            let lacks = if missing.len() > 8 {
+                format!(
+                    "{} of the relay's rights ({}, …)",
+                    missing.len(),
+                    missing[..3].join(", ")
+                )
+            } else {
+                missing.join(", ")
+            };
             return Err(Error::InvalidArgument {
-                field: "database_url",
+                field: if given { "pool" } else { "database_url" },
                 problem: format!(
-                    "the engine's role lacks {}: an embedded engine needs the relay's rights (`postbox grant` gives them to role postbox_relay); keep the writer role for the app's own transactions and give the engine a pool of its own (the book's roles page: two pools)",
-                    missing.join(", ")
+                    "the engine's role lacks {lacks}: an embedded engine needs the relay's rights (as the schema's owner, `postbox grant --relay ROLE` gives them to ROLE); keep the writer role for the app's own transactions and give the engine a pool of its own (the book's roles page: two pools)"
                 ),
             });
         }

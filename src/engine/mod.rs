@@ -421,7 +421,9 @@ impl Engine {
             }
         }
         closer.abort();
-        Ok(self.counters.snapshot())
+        let report = self.counters.snapshot();
+        tracing::info!(sink = %self.sink.name(), ?report, "postbox engine stopped");
+        Ok(report)
     }
 
     async fn interrupt(

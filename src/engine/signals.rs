@@ -17,6 +17,11 @@ pub struct StopSignals {
 /// first cancels [`StopSignals::shutdown`], the second [`StopSignals::hard_stop`]. Give both to
 /// [`Engine::run_until`](super::Engine::run_until).
 ///
+/// Once it listens, these signals no longer end the process: they only cancel the tokens. An app
+/// whose other parts (an HTTP server, a consumer) should stop too waits on `shutdown` for them
+/// (`stop.shutdown.cancelled().await`, or axum's `with_graceful_shutdown`), and `main` returns when
+/// everything has stopped.
+///
 /// ```no_run
 /// # async fn demo(engine: postbox::engine::Engine) -> Result<(), postbox::Error> {
 /// let stop = postbox::engine::stop_on_signals();

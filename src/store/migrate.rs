@@ -240,22 +240,36 @@ where
         return Ok(Vec::new());
     }
     let names: Vec<String> = waiting.iter().map(|m| m.name().to_string()).collect();
-    let applied: Vec<String> = harness
+    let ran = harness
         .run_migrations(&waiting)
-        .map(|v| v.iter().map(|v| v.to_string()).collect())
-        .map_err(|e| {
-            let text = e.to_string();
-            if text.contains("permission denied") || text.contains("must be owner") {
-                Error::Migration(format!(
-                    "{text}: {} migration(s) pending ({}): run migrate as the role that owns \
-                     schema postbox (or, for the first, a role with CREATE on the database)",
-                    names.len(),
-                    names.join(", ")
-                ))
-            } else {
-                Error::Migration(text)
+        .map(|v| v.iter().map(|v| v.to_string()).collect::<Vec<String>>())
+        .map_err(|e| e.to_string());
+    let applied = match ran {
+        Ok(applied) => applied,
+        Err(text) if text.contains("permission denied") || text.contains("must be owner") => {
+            #[derive(diesel::QueryableByName)]
+            struct Owner {
+                #[diesel(sql_type = Text)]
+                owner: String,
             }
-        })?;
+            let owner: Vec<Owner> = diesel::sql_query(
+                "SELECT nspowner::regrole::text AS owner FROM pg_catalog.pg_namespace
+                 WHERE nspname = 'postbox'",
+            )
+            .load(conn)
+            .unwrap_or_default();
+            let who = match owner.first() {
+                Some(o) => format!("the role that owns schema postbox, {}", o.owner),
+                None => "a role with CREATE on the database (it will own schema postbox)".into(),
+            };
+            return Err(Error::Migration(format!(
+                "{text}: {} migration(s) pending ({}): run migrate as {who}",
+                names.len(),
+                names.join(", ")
+            )));
+        }
+        Err(text) => return Err(Error::Migration(text)),
+    };
     #[cfg(feature = "async")]
     grant_again(conn, &applied)?;
     Ok(applied)
@@ -276,13 +290,12 @@ where
         #[diesel(sql_type = Text)]
         kind: String,
     }
-    let grants: Vec<Granted> =
-        diesel::sql_query(
-            "SELECT role, kind FROM postbox.grants g
+    let grants: Vec<Granted> = diesel::sql_query(
+        "SELECT role, kind FROM postbox.grants g
              WHERE EXISTS (SELECT FROM pg_catalog.pg_roles r WHERE r.rolname = g.role)
              ORDER BY role, kind",
-        )
-        .load(conn)?;
+    )
+    .load(conn)?;
     for g in grants {
         let Some(kind) = RoleKind::parse(&g.kind) else {
             continue;
