@@ -637,12 +637,14 @@ CREATE FUNCTION postbox.complete_in_tx(p_id bigint, p_token bigint) RETURNS bool
     SET search_path TO 'pg_catalog', 'pg_temp'
     AS $$
 BEGIN
-    IF NOT EXISTS (
+    IF p_token IS NULL OR p_token = 0 OR NOT EXISTS (
         SELECT FROM postbox.messages m
         WHERE m.id = p_id
           AND ((m.state = 'running' AND m.lease_token = p_token)
                OR (m.state = 'available'
-                   AND EXISTS (SELECT FROM postbox.holds h WHERE h.token = p_token AND p_id = ANY (h.ids))))
+                   AND EXISTS (SELECT FROM postbox.holds h
+                               WHERE h.token = p_token AND p_id = ANY (h.ids)
+                                 AND pg_xact_status(h.xid) = 'in progress')))
     ) THEN
         RAISE EXCEPTION 'postbox: message % is no longer delivered under this lease (it expired, or the message was settled): its work is not recorded', p_id;
     END IF;
