@@ -8,6 +8,7 @@ use postbox::relay::cli::{Cli, execute};
 
 fn main() -> ExitCode {
     let cli = Cli::parse(); // usage errors exit 2
+    cli.quiet_on_closed_stdout();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

@@ -1377,3 +1377,30 @@ fn status_at_ten_thousand_topics_shows_the_largest_and_a_summary() {
     .unwrap();
     assert_eq!(json["topics"].as_array().unwrap().len(), 10_001);
 }
+
+/// A command that prints and ends, read by a reader that goes away early (`postbox status |
+/// head -1`), ends as `ls` does (SIGPIPE), not with a panic on the broken pipe.
+#[cfg(unix)]
+#[test]
+fn a_reader_that_goes_away_ends_a_printing_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let db = TestDb::migrated();
+    db.exec("INSERT INTO postbox.messages (topic) SELECT 't' || g FROM generate_series(1, 200) g");
+    let mut child = hermetic(BIN)
+        .args(["--database-url", &db.url, "status", "--all"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Gone before anything is written: the command connects to the database first.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(
+        out.status.signal(),
+        Some(13),
+        "SIGPIPE: {:?} {err}",
+        out.status
+    );
+}

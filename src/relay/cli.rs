@@ -32,6 +32,24 @@ pub struct Cli {
     command: Command,
 }
 
+impl Cli {
+    /// For a command that prints its answer and ends (all but `run` and `demo`), a reader that
+    /// closes its end early (`postbox status | head -1`) ends the process quietly, as it ends
+    /// `ls`, instead of a panic on the broken pipe. The relay keeps the default of Rust programs:
+    /// its log sink sees a closed stdout as an error and says so.
+    pub fn quiet_on_closed_stdout(&self) {
+        if matches!(self.command, Command::Run { .. } | Command::Demo { .. }) {
+            return;
+        }
+        #[cfg(unix)]
+        // SAFETY: restores the default disposition of SIGPIPE before any thread is started; no
+        // handler is installed.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
+}
+
 /// The commands.
 #[derive(Subcommand)]
 pub enum Command {
