@@ -1291,38 +1291,29 @@ async fn a_handler_completes_its_message_in_its_own_transaction_once() {
         .unwrap_err();
     assert!(err.to_string().contains("inside the transaction"), "{err}");
     // A delivery is named by its lease token: a message not leased under it (a lost lease, or a
-    // role guessing) is refused, and its transaction's work rolls back with it.
+    // role guessing) is refused, and its transaction's work rolls back with it; so is token 0 (a
+    // head kept for a writer after its delivery names no delivery).
     use diesel_async::AsyncConnection;
-    let refused = conn
-        .transaction::<(), postbox::Error, _>(async |conn| {
-            postbox::store::completion::complete_in(conn, job_id, 1).await?;
-            Ok(())
-        })
-        .await
-        .unwrap_err();
-    assert!(
-        refused
-            .to_string()
-            .contains("no longer delivered under this lease"),
-        "{refused}"
-    );
-    // Token 0 (a head kept for a writer after its delivery) names no delivery.
-    db.exec(&format!(
-        "UPDATE postbox.messages SET state = 'running', lease_token = 0, locked_until = now() + interval '1 minute', locked_by = 'x' WHERE id = {job_id}"
-    ));
-    let refused = conn
-        .transaction::<(), postbox::Error, _>(async |conn| {
-            postbox::store::completion::complete_in(conn, job_id, 0).await?;
-            Ok(())
-        })
-        .await
-        .unwrap_err();
-    assert!(
-        refused
-            .to_string()
-            .contains("no longer delivered under this lease"),
-        "{refused}"
-    );
+    for (token, state) in [(1, None), (0, Some("lease_token = 0"))] {
+        if let Some(set) = state {
+            db.exec(&format!(
+                "UPDATE postbox.messages SET state = 'running', {set}, locked_until = now() + interval '1 minute', locked_by = 'x' WHERE id = {job_id}"
+            ));
+        }
+        let refused = conn
+            .transaction::<(), postbox::Error, _>(async |conn| {
+                postbox::store::completion::complete_in(conn, job_id, token).await?;
+                Ok(())
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            refused
+                .to_string()
+                .contains("no longer delivered under this lease"),
+            "token {token}: {refused}"
+        );
+    }
 }
 
 /// Held batches: the engine's connections holding them are cut (as when a relay dies) after a
