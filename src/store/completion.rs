@@ -14,7 +14,7 @@ use crate::message::MessageId;
 const RECORD: &str = "SELECT postbox.complete_in_tx($1, $2) AS first";
 
 /// Records dropped per statement.
-const FORGET_BATCH: usize = 10_000;
+const FORGET_BATCH: i64 = 10_000;
 
 /// The records of messages that are gone from the table and from the dead letters (delivered, or
 /// purged), a batch at a time, each by its primary key; rows another relay is dropping are
@@ -25,7 +25,7 @@ const FORGET: &str = "DELETE FROM postbox.completed_in_tx c
         SELECT r.id FROM postbox.completed_in_tx r
         WHERE NOT EXISTS (SELECT FROM postbox.messages m WHERE m.id = r.id)
           AND NOT EXISTS (SELECT FROM postbox.dead_letters d WHERE d.id = r.id)
-        LIMIT 10000
+        LIMIT $1
         FOR UPDATE SKIP LOCKED))";
 
 #[derive(QueryableByName)]
@@ -108,9 +108,12 @@ impl Store {
         let mut total = 0;
         let mut conn = self.conn().await?;
         loop {
-            let n = diesel::sql_query(FORGET).execute(&mut *conn).await?;
+            let n = diesel::sql_query(FORGET)
+                .bind::<BigInt, _>(FORGET_BATCH)
+                .execute(&mut *conn)
+                .await?;
             total += n;
-            if n < FORGET_BATCH {
+            if (n as i64) < FORGET_BATCH {
                 return Ok(total);
             }
         }
