@@ -78,6 +78,8 @@ fn every_claim_shape_reads_what_it_returns_on_a_table_never_analyzed() {
         ("one topic", "SELECT * FROM postbox.claim_topic('u', 100, 30, 1, 'x')".into()),
         ("one keyed topic", "SELECT * FROM postbox.claim_topic('keyed', 100, 30, 1, 'x')".into()),
         ("ordered heads", "SELECT * FROM postbox.claim_topic('ord', 100, 30, 1, 'x')".into()),
+        ("held, every topic", "SELECT * FROM postbox.take_ready(NULL, 100)".into()),
+        ("held, one topic", "SELECT * FROM postbox.take_ready('keyed', 100)".into()),
         ("a few topics", claim(false, "ARRAY['u', 'keyed', 'ord']", "'{}'")),
         ("a glob", claim(false, "'{}'", "ARRAY['emails.%']")),
         ("a glob among 10,000 topics", claim(false, "'{}'", "ARRAY['tenant.%']")),

@@ -198,21 +198,33 @@ async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_t
     );
 }
 
+/// A take of every topic or of one topic named exactly goes from the floors its store keeps (see
+/// the migration `ready_takes`), whatever position it is given; a take of several topics or
+/// patterns starts after the position.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_take_after_a_position_starts_there_on_one_topic_or_several() {
+async fn a_take_after_a_position_starts_there_unless_it_takes_from_the_floors() {
     let db = TestDb::migrated();
     let a = enqueue(&db, (0..4).map(|_| Message::new("a")).collect());
     let b = enqueue(&db, (0..4).map(|_| Message::new("b")).collect());
     let store = db.store().await;
     let ids = |h: &postbox::store::Hold| h.messages.iter().map(|m| m.id).collect::<Vec<_>>();
 
-    // One topic (the inline statement).
+    // One topic, and every topic: from the floors.
     let hold = store
         .take(10, HOLD, &Topics::exact(["a"]), Some((0, a[1])), 0)
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(ids(&hold), a[2..]);
+    assert_eq!(ids(&hold), a);
+    drop(hold);
+    unlocked(&db, 8).await;
+    let hold = store
+        .take(10, HOLD, &Topics::all(), Some((0, a[2])), 0)
+        .await
+        .unwrap()
+        .unwrap();
+    let every: Vec<i64> = a.iter().chain(&b).copied().collect();
+    assert_eq!(ids(&hold), every);
     drop(hold);
     unlocked(&db, 8).await;
 
@@ -226,12 +238,58 @@ async fn a_take_after_a_position_starts_there_on_one_topic_or_several() {
     drop(hold);
     unlocked(&db, 8).await;
     let hold = store
-        .take(10, HOLD, &Topics::only(["*"]), Some((0, a[2])), 0)
+        .take(10, HOLD, &Topics::only(["a*", "b"]), Some((0, a[2])), 0)
         .await
         .unwrap()
         .unwrap();
     let want: Vec<i64> = a[3..].iter().chain(&b).copied().collect();
     assert_eq!(ids(&hold), want);
+}
+
+/// A hold of the store's floors that rolls back (its connection dropped) while another hold took
+/// past its rows: the next take, from the floors both left, has them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_rolled_back_behind_another_leaves_its_rows_to_the_next_take() {
+    let db = TestDb::migrated();
+    let ids = enqueue(&db, (0..6).map(|_| Message::new("t")).collect());
+    let store = db.store().await;
+    for topics in [Topics::exact(["t"]), Topics::all()] {
+        let first = store
+            .take(2, HOLD, &topics, None, 0)
+            .await
+            .unwrap()
+            .unwrap();
+        let second = store
+            .take(2, HOLD, &topics, None, 0)
+            .await
+            .unwrap()
+            .unwrap();
+        let taken: Vec<i64> = second.messages.iter().map(|m| m.id).collect();
+        assert_eq!(taken, ids[2..4]);
+        drop(first);
+        unlocked(&db, 4).await;
+        let third = store
+            .take(10, HOLD, &topics, None, 0)
+            .await
+            .unwrap()
+            .unwrap();
+        let again: Vec<i64> = third.messages.iter().map(|m| m.id).collect();
+        let want: Vec<i64> = ids[..2].iter().chain(&ids[4..]).copied().collect();
+        assert_eq!(again, want, "{topics:?}");
+        // And a claim from the floors the takes left.
+        drop((second, third));
+        unlocked(&db, 6).await;
+        let mut claimed: Vec<i64> = store
+            .claim(10, LEASE, &topics)
+            .await
+            .unwrap()
+            .iter()
+            .map(|m| m.id)
+            .collect();
+        claimed.sort_unstable();
+        assert_eq!(claimed, ids);
+        db.exec("UPDATE postbox.messages SET state = 'available', locked_until = NULL, lease_token = NULL, locked_by = NULL, attempts = 0");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,7 @@ use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Nullable, SmallInt
 use diesel_async::SimpleAsyncConnection;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
-use super::hold::{FOLLOWERS, HeldRow, SETTLE, TAKE_ONE};
+use super::hold::{FOLLOWERS, HeldReadyRow, SETTLE, TAKE_READY};
 use super::settle::{COMPLETE, COMPLETE_KEEP, DEAD_LETTER, EXTEND, RELEASE, RETRY};
 use super::{Lease, Store, Topics, split};
 use crate::error::{Error, Result};
@@ -130,19 +130,25 @@ impl Store {
         rolled_back(&mut conn, async |conn| {
             conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off")
                 .await?;
+            let floors = self.floors_of(&Some(topic.to_owned()));
             let take = |sql: &str| {
                 diesel::sql_query(sql.to_owned())
                     .bind::<Double, _>(30.0)
                     .bind::<BigInt, _>(0)
-                    .bind::<Text, _>(topic)
+                    .bind::<Nullable<Text>, _>(Some(topic))
                     .bind::<Integer, _>(batch)
+                    .bind::<Nullable<Text>, _>(floors.clone())
             };
-            let lines: Vec<PlanLine> = take(&format!("EXPLAIN (ANALYZE, BUFFERS) {TAKE_ONE}"))
+            conn.batch_execute("SAVEPOINT take").await?;
+            let lines: Vec<PlanLine> = take(&format!("EXPLAIN (ANALYZE, BUFFERS) {TAKE_READY}"))
                 .load(conn)
                 .await?;
             plan.push_str("-- take\n");
             plan.extend(lines.into_iter().map(|l| l.line + "\n"));
-            let held: Vec<HeldRow> = take(TAKE_ONE).load(conn).await?;
+            // What the plan's run locked is taken again for the statements below.
+            conn.batch_execute("ROLLBACK TO SAVEPOINT take").await?;
+            let held: Vec<HeldReadyRow> = take(TAKE_READY).load(conn).await?;
+            let held: Vec<_> = held.into_iter().map(|r| r.held).collect();
             let heads: Vec<_> = held
                 .iter()
                 .map(|r| &r.message)

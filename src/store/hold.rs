@@ -32,18 +32,16 @@ macro_rules! take_columns {
     };
 }
 
-/// `postbox.take_topic` inline (in a transaction that pins its planner settings, see `begin_take`):
-/// the function's result set is not materialised.
-pub(super) const TAKE_ONE: &str = concat!(
-    take_columns!(),
-    "postbox.messages WHERE state = 'available' AND topic = $3 ORDER BY priority, id LIMIT $4 FOR NO KEY UPDATE SKIP LOCKED"
-);
-
-/// [`TAKE_ONE`] after a position (see `postbox.take_topic`).
-const TAKE_ONE_AFTER: &str = concat!(
-    take_columns!(),
-    "postbox.messages WHERE state = 'available' AND topic = $3 AND (priority, id) > ($5, $6)
-     ORDER BY priority, id LIMIT $4 FOR NO KEY UPDATE SKIP LOCKED"
+/// The take of every topic (`$3` NULL) or of one topic named exactly: `postbox.take_ready`, the
+/// claim's walk from the floors (see the migration `ready_takes`), from the newest floors the store
+/// has seen when its connection has none or older ones (`$5`); the first row carries the floors
+/// the session keeps after it.
+pub(super) const TAKE_READY: &str = concat!(
+    take_columns!(
+        ", CASE WHEN row_number() OVER () = 1
+            THEN current_setting(postbox.claim_floors_setting($3), true) END AS floors"
+    ),
+    "postbox.take_ready($3, $4, $5)"
 );
 
 /// The planner settings of the claim functions, for the transaction of a hold (one round trip
@@ -57,7 +55,8 @@ fn begin_take(limit: Duration) -> String {
     )
 }
 
-/// `postbox.pick`: the claim order across the topics of a filter, after a position or not.
+/// `postbox.pick`: the claim order across the topics of a filter (with exclusions or patterns),
+/// after a position or not.
 const TAKE: &str = concat!(
     take_columns!(),
     "postbox.pick($3, $4, $5, $6, $7, $8, $9, $10)"
@@ -174,6 +173,15 @@ pub(super) struct HeldRow {
     xid: String,
 }
 
+/// A row of [`TAKE_READY`]: the first carries the floors its session keeps.
+#[derive(QueryableByName)]
+pub(super) struct HeldReadyRow {
+    #[diesel(embed)]
+    pub(super) held: HeldRow,
+    #[diesel(sql_type = Nullable<Text>)]
+    floors: Option<String>,
+}
+
 #[derive(QueryableByName)]
 struct FollowerRow {
     #[diesel(embed)]
@@ -256,10 +264,17 @@ impl Store {
     /// counted should it never commit). `limit` is only what `locked_until` of the returned
     /// messages says: ending the hold in time is the caller's duty.
     ///
-    /// `after` is a position `(priority, id)` in the claim order: only rows after it are taken. A
-    /// relay whose holds are in flight passes where its last take ended, so that its take does
-    /// not pay a lock check for each row its own holds have locked (and goes back to the front
-    /// every few tens of milliseconds for rows that became available behind it).
+    /// Every topic, or one topic named exactly, is taken as it is claimed: from the floors this
+    /// store's claims and takes keep (see the migration `ready_takes`), so that a take walks no
+    /// entry a pinned xmin horizon keeps of the rows settled before. The floors stop at the first
+    /// row still available, so at the rows of the holds in flight: a hold that rolls back hides
+    /// nothing.
+    ///
+    /// Other filters (exclusions, patterns) take from the front of (priority, id), after
+    /// `after` when it is given: a relay whose holds are in flight passes where its last take
+    /// ended, so that its take does not pay a lock check for each row its own holds have locked
+    /// (and goes back to the front every few tens of milliseconds for rows that became available
+    /// behind it).
     ///
     /// Up to `followers` messages in all are taken behind the ordered heads of the batch, shared
     /// between them (at least one each, at most 64): the next messages of each head's key, in
@@ -286,29 +301,25 @@ impl Store {
         let batch = i32::try_from(batch).unwrap_or(i32::MAX);
         let token = super::new_token();
         AnsiTransactionManager::begin_transaction_sql(&mut *conn, &begin_take(limit)).await?;
-        let rows: Vec<HeldRow> = if let Some(topic) = topics.single() {
-            match after {
-                Some((priority, id)) => {
-                    diesel::sql_query(TAKE_ONE_AFTER)
-                        .bind::<Double, _>(limit.as_secs_f64())
-                        .bind::<BigInt, _>(token)
-                        .bind::<Text, _>(topic)
-                        .bind::<Integer, _>(batch)
-                        .bind::<SmallInt, _>(priority)
-                        .bind::<BigInt, _>(id)
-                        .load(&mut *conn)
-                        .await?
-                }
-                None => {
-                    diesel::sql_query(TAKE_ONE)
-                        .bind::<Double, _>(limit.as_secs_f64())
-                        .bind::<BigInt, _>(token)
-                        .bind::<Text, _>(topic)
-                        .bind::<Integer, _>(batch)
-                        .load(&mut *conn)
-                        .await?
-                }
+        let plain = topics.all && topics.not_exact.is_empty() && topics.not_like.is_empty();
+        let single = topics.single();
+        let rows: Vec<HeldRow> = if plain || single.is_some() {
+            // From the floors the store's claims and takes keep (see the migration
+            // `ready_takes`); `after` is not needed: the floors stop at the rows in flight.
+            let which = single.map(str::to_owned);
+            let floors = self.floors_of(&which);
+            let got: Vec<HeldReadyRow> = diesel::sql_query(TAKE_READY)
+                .bind::<Double, _>(limit.as_secs_f64())
+                .bind::<BigInt, _>(token)
+                .bind::<Nullable<Text>, _>(&which)
+                .bind::<Integer, _>(batch)
+                .bind::<Nullable<Text>, _>(floors)
+                .load(&mut *conn)
+                .await?;
+            if let Some(newest) = got.iter().find_map(|r| r.floors.clone()) {
+                self.keep_floors(which, newest);
             }
+            got.into_iter().map(|r| r.held).collect()
         } else {
             diesel::sql_query(TAKE)
                 .bind::<Double, _>(limit.as_secs_f64())

@@ -1,0 +1,1 @@
+DROP FUNCTION postbox.take_ready(text, integer, text);
