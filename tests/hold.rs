@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{TestDb, enqueue, eventually};
+use postbox::store::TakePosition;
 use postbox::{Message, Topics};
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -198,39 +199,57 @@ async fn a_hold_cannot_end_unregistered_and_a_lease_taken_at_its_end_runs_from_t
     );
 }
 
-/// A take of every topic or of one topic named exactly goes from the floors its store keeps (see
-/// the migration `ready_takes`), whatever position it is given; a take of several topics or
-/// patterns starts after the position.
+/// A take starts after the position it is given (where the claim loop's last take ended, while
+/// that hold is in flight): in the floors' order (priority, ready_xid, id) for every topic or one
+/// topic named exactly, which a position in (priority, id) does not move; in (priority, id) for
+/// several topics or patterns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_take_after_a_position_starts_there_unless_it_takes_from_the_floors() {
+async fn a_take_after_a_position_starts_there_on_one_topic_or_several() {
     let db = TestDb::migrated();
     let a = enqueue(&db, (0..4).map(|_| Message::new("a")).collect());
     let b = enqueue(&db, (0..4).map(|_| Message::new("b")).collect());
     let store = db.store().await;
     let ids = |h: &postbox::store::Hold| h.messages.iter().map(|m| m.id).collect::<Vec<_>>();
 
-    // One topic, and every topic: from the floors.
-    let hold = store
-        .take(10, HOLD, &Topics::exact(["a"]), Some((0, a[1])), 0)
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(ids(&hold), a);
-    drop(hold);
-    unlocked(&db, 8).await;
-    let hold = store
-        .take(10, HOLD, &Topics::all(), Some((0, a[2])), 0)
-        .await
-        .unwrap()
-        .unwrap();
-    let every: Vec<i64> = a.iter().chain(&b).copied().collect();
-    assert_eq!(ids(&hold), every);
-    drop(hold);
-    unlocked(&db, 8).await;
+    // One topic, and every topic: after the last take's position.
+    for (topics, all) in [
+        (Topics::exact(["a"]), a.clone()),
+        (Topics::all(), a.iter().chain(&b).copied().collect()),
+    ] {
+        let first = store
+            .take(2, HOLD, &topics, None, 0)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(ids(&first), all[..2]);
+        let next = store
+            .take(10, HOLD, &topics, first.last, 0)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(ids(&next), all[2..], "{topics:?}");
+        drop((first, next));
+        unlocked(&db, 8).await;
+        // A position in (priority, id) is not one of this order: from the floors.
+        let hold = store
+            .take(10, HOLD, &topics, Some(TakePosition::at(0, a[1])), 0)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(ids(&hold), all, "{topics:?}");
+        drop(hold);
+        unlocked(&db, 8).await;
+    }
 
     // Several topics (postbox.pick): after the position in the claim order, whatever the topic.
     let hold = store
-        .take(10, HOLD, &Topics::exact(["a", "b"]), Some((0, b[1])), 0)
+        .take(
+            10,
+            HOLD,
+            &Topics::exact(["a", "b"]),
+            Some(TakePosition::at(0, b[1])),
+            0,
+        )
         .await
         .unwrap()
         .unwrap();
@@ -238,12 +257,55 @@ async fn a_take_after_a_position_starts_there_unless_it_takes_from_the_floors() 
     drop(hold);
     unlocked(&db, 8).await;
     let hold = store
-        .take(10, HOLD, &Topics::only(["a*", "b"]), Some((0, a[2])), 0)
+        .take(
+            10,
+            HOLD,
+            &Topics::only(["a*", "b"]),
+            Some(TakePosition::at(0, a[2])),
+            0,
+        )
         .await
         .unwrap()
         .unwrap();
     let want: Vec<i64> = a[3..].iter().chain(&b).copied().collect();
     assert_eq!(ids(&hold), want);
+}
+
+/// A take after a position skips what is before it, and the floors it leaves stay below: a hold
+/// in flight that rolls back is taken by the next take without a position.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_floors_of_a_take_after_a_position_stay_below_it() {
+    let db = TestDb::migrated();
+    let ids = enqueue(&db, (0..6).map(|_| Message::new("t")).collect());
+    let store = db.store().await;
+    let topics = Topics::exact(["t"]);
+    let first = store
+        .take(2, HOLD, &topics, None, 0)
+        .await
+        .unwrap()
+        .unwrap();
+    let second = store
+        .take(2, HOLD, &topics, first.last, 0)
+        .await
+        .unwrap()
+        .unwrap();
+    let third = store
+        .take(10, HOLD, &topics, second.last, 0)
+        .await
+        .unwrap()
+        .unwrap();
+    let taken = |h: &postbox::store::Hold| h.messages.iter().map(|m| m.id).collect::<Vec<_>>();
+    assert_eq!(taken(&second), ids[2..4]);
+    assert_eq!(taken(&third), ids[4..]);
+    drop((first, third));
+    unlocked(&db, 4).await;
+    let again = store
+        .take(10, HOLD, &topics, None, 0)
+        .await
+        .unwrap()
+        .unwrap();
+    let want: Vec<i64> = ids[..2].iter().chain(&ids[4..]).copied().collect();
+    assert_eq!(taken(&again), want);
 }
 
 /// A hold of the store's floors that rolls back (its connection dropped) while another hold took

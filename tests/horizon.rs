@@ -389,3 +389,105 @@ fn restored_rows_queue_as_of_the_restore() {
         "the restored messages first"
     );
 }
+
+/// The floors a store keeps are of the server that gave them. A standby promoted after it lagged
+/// (or a server that lost asynchronous commits in a crash) hands out again transaction ids the
+/// floors had passed: once its counter is back past them, a message made available by one of
+/// those ids would sit below the floors. The store's next claim, on the new server, walks from
+/// the front once instead, and takes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn floors_of_a_server_that_went_away_hide_nothing_on_the_next() {
+    let server = common::OwnServer::start(&[]);
+    let db = server.migrated();
+    let data = server.data_dir();
+    let copy = |from: &std::path::Path, to: &std::path::Path| {
+        let ok = std::process::Command::new("cp")
+            .args(["-a", from.to_str().unwrap(), to.to_str().unwrap()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    };
+    // The standby, as it was: a copy of the data directory before the primary went on.
+    server.stop("fast");
+    let standby = data.with_file_name("standby");
+    copy(&data, &standby);
+    server.start_again();
+
+    let store = db.store().await;
+    let topics = postbox::Topics::exact(["t"]);
+    let burn = |n: usize| {
+        let mut conn = db.conn();
+        for _ in 0..n {
+            conn.batch_execute("SELECT pg_current_xact_id()").unwrap();
+        }
+    };
+    burn(300);
+    db.exec("INSERT INTO postbox.messages (topic) VALUES ('t')");
+    assert_eq!(
+        store
+            .claim(10, std::time::Duration::from_secs(30), &topics)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    // The primary goes; the standby takes its place (its data, on the same address).
+    server.stop("immediate");
+    std::fs::rename(&data, data.with_file_name("old primary")).unwrap();
+    std::fs::rename(&standby, &data).unwrap();
+    server.start_again();
+    db.exec("INSERT INTO postbox.messages (topic, key) VALUES ('t', 'after the failover')");
+    burn(400);
+    let want = db.scalar("SELECT id AS v FROM postbox.messages WHERE key = 'after the failover'");
+    // The pool's connections to the old server fail once each.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut got = Vec::new();
+    while got.is_empty() && std::time::Instant::now() < deadline {
+        if let Ok(claimed) = store
+            .claim(10, std::time::Duration::from_secs(30), &topics)
+            .await
+        {
+            got.extend(claimed.into_iter().map(|m| m.id));
+        }
+    }
+    assert_eq!(got, [want]);
+}
+
+/// A take inside a transaction that already wrote sees its own changes (a row it made running
+/// looks claimed): it keeps no floors, which another session could be handed and which would pass
+/// that row once the transaction rolls back.
+#[test]
+fn a_take_after_its_transaction_wrote_keeps_no_floors() {
+    let db = TestDb::migrated();
+    db.exec("INSERT INTO postbox.messages (topic) SELECT 't' FROM generate_series(1, 3)");
+    let first = ids(&db, "SELECT min(id) AS id FROM postbox.messages");
+    let mut a = db.conn();
+    a.batch_execute(&format!(
+        "BEGIN; UPDATE postbox.messages SET state = 'running', lease_token = 1, locked_until = now() + interval '1 hour', locked_by = 'x'
+         WHERE id = {}",
+        first[0]
+    ))
+    .unwrap();
+    assert_eq!(
+        claimed_by(&mut a, "SELECT * FROM postbox.take_ready(NULL, 1)").len(),
+        1
+    );
+    assert_eq!(
+        db_text(
+            &mut a,
+            "SELECT coalesce(current_setting('postbox.claim_floors', true), '') AS v"
+        ),
+        ""
+    );
+    a.batch_execute("ROLLBACK").unwrap();
+    assert_eq!(claimed_by(&mut a, &take(10)).len(), 3);
+}
+
+fn db_text(conn: &mut PgConnection, sql: &str) -> String {
+    #[derive(QueryableByName)]
+    struct V {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        v: String,
+    }
+    diesel::sql_query(sql).get_result::<V>(conn).unwrap().v
+}

@@ -9,7 +9,8 @@
 //!
 //! Every minute: e2e latency (the writer's clock before its commit → the handler) p50 and p99,
 //! the cost of one claim of 100 of its topic as the engine's store runs it (from its floors; the median of
-//! samples every 10 s, time and buffers, from `Store::explain_claim`), the table's dead tuples
+//! samples every 10 s, time and buffers, from `Store::explain_claim`), the same for the take of a
+//! held batch of 100 (`Store::explain_hold`, what the engine runs while there is a backlog), the table's dead tuples
 //! and size, and the depth. Then the ratios: p99 and claim cost of the last pinned minute
 //! against the clean minutes, and how long after the release p99 was back within 2× clean.
 
@@ -183,6 +184,8 @@ struct Minute {
     p99: f64,
     claim_ms: f64,
     claim_buffers: f64,
+    take_ms: f64,
+    take_buffers: f64,
 }
 
 pub async fn run(rate: u64, pin_minutes: u64) {
@@ -235,7 +238,7 @@ pub async fn run(rate: u64, pin_minutes: u64) {
         "xmin: {rate}/s offered, {CLEAN_MINUTES} min clean, {pin_minutes} min pinned (a REPEATABLE READ snapshot), {AFTER_MINUTES} min after; own cluster, autovacuum on (naptime 1 min), fsync off"
     );
     println!(
-        "minute phase   e2e_p50_ms e2e_p99_ms claim_ms claim_buffers dead_tuples table_mb depth"
+        "minute phase   e2e_p50_ms e2e_p99_ms claim_ms claim_buffers take_ms take_buffers dead_tuples table_mb depth"
     );
     let started = Instant::now();
     for minute in 0..total {
@@ -269,7 +272,9 @@ pub async fn run(rate: u64, pin_minutes: u64) {
                 .explain_claim(100, &Topics::only(["bench.xmin"]))
                 .await
                 .unwrap();
-            samples.push(claim_cost(&plan));
+            // And the take of a held batch (what the engine runs while there is a backlog).
+            let held = store.explain_hold("bench.xmin", 100, 0).await.unwrap();
+            samples.push((claim_cost(&plan), claim_cost(&held)));
         }
         let mut lat = std::mem::take(&mut *latencies.lock().unwrap());
         lat.sort_by(|a, b| a.total_cmp(b));
@@ -278,17 +283,21 @@ pub async fn run(rate: u64, pin_minutes: u64) {
             phase,
             p50: percentile(&lat, 0.50),
             p99: percentile(&lat, 0.99),
-            claim_ms: median(&samples.iter().map(|s| s.0).collect::<Vec<_>>()),
-            claim_buffers: median(&samples.iter().map(|s| s.1).collect::<Vec<_>>()),
+            claim_ms: median(&samples.iter().map(|s| s.0.0).collect::<Vec<_>>()),
+            claim_buffers: median(&samples.iter().map(|s| s.0.1).collect::<Vec<_>>()),
+            take_ms: median(&samples.iter().map(|s| s.1.0).collect::<Vec<_>>()),
+            take_buffers: median(&samples.iter().map(|s| s.1.1).collect::<Vec<_>>()),
         };
         println!(
-            "{:>6} {:<7} {:>10.1} {:>10.1} {:>8.2} {:>13.0} {:>11} {:>8.1} {:>5}",
+            "{:>6} {:<7} {:>10.1} {:>10.1} {:>8.2} {:>13.0} {:>7.2} {:>12.0} {:>11} {:>8.1} {:>5}",
             minute + 1,
             m.phase,
             m.p50,
             m.p99,
             m.claim_ms,
             m.claim_buffers,
+            m.take_ms,
+            m.take_buffers,
             t.dead,
             t.bytes as f64 / 1048576.0,
             t.depth
@@ -318,6 +327,7 @@ pub async fn run(rate: u64, pin_minutes: u64) {
     let clean_p99 = median(&clean.iter().map(|m| m.p99).collect::<Vec<_>>());
     let clean_ms = median(&clean.iter().map(|m| m.claim_ms).collect::<Vec<_>>());
     let clean_buffers = median(&clean.iter().map(|m| m.claim_buffers).collect::<Vec<_>>());
+    let clean_take = median(&clean.iter().map(|m| m.take_buffers).collect::<Vec<_>>());
     let last = of("pinned").pop().expect("a pinned minute");
     let back = of("after")
         .iter()
@@ -330,6 +340,10 @@ pub async fn run(rate: u64, pin_minutes: u64) {
     println!(
         "xmin_claim_buffers_ratio={:.2}",
         last.claim_buffers / clean_buffers
+    );
+    println!(
+        "xmin_take_buffers_ratio={:.2}",
+        last.take_buffers / clean_take
     );
     println!("xmin_recovered_within_minutes={back}");
     println!("xmin_produced={}", produced.load(Ordering::Relaxed));

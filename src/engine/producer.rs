@@ -17,7 +17,7 @@ use super::config::{EngineConfig, HOLD_SLOT_WAIT, LINGER_STEP, MAX_HOLDS};
 use super::notifier::Notifier;
 use super::observer::Observer;
 use crate::sink::{Outcome, Sink, Unavailable};
-use crate::store::{ClaimedMessage, Lease, Store, Topics};
+use crate::store::{ClaimedMessage, Lease, Store, TakePosition, Topics};
 
 /// In drain mode, the longest wait for the completer before claiming again.
 const DRAIN_POLL: Duration = Duration::from_millis(20);
@@ -35,7 +35,7 @@ const REWIND: Duration = Duration::from_millis(50);
 /// its last claim was full (a backlog: holds pay off; a trickle of small claims leases, which costs
 /// one round trip and one commit less per claim).
 struct Cursor {
-    after: Option<(i16, i64)>,
+    after: Option<TakePosition>,
     lap: Instant,
     backlog: bool,
     /// The last take came with messages behind its ordered heads.
@@ -54,7 +54,7 @@ impl Cursor {
     }
 
     /// The position to take after now (none: from the front, and a new lap starts).
-    fn position(&mut self, holds_in_flight: bool) -> Option<(i16, i64)> {
+    fn position(&mut self, holds_in_flight: bool) -> Option<TakePosition> {
         if !holds_in_flight || self.lap.elapsed() >= REWIND {
             self.after = None;
         }
@@ -64,15 +64,14 @@ impl Cursor {
         self.after
     }
 
-    /// After a take of `batch` out of `want`: a short take reached the end, the next starts
-    /// from the front.
-    fn advance(&mut self, batch: &[ClaimedMessage], want: usize) {
-        self.backlog = batch.len() >= want;
-        if batch.len() < want {
+    /// After a take of `got` out of `want` that ended at `last`: a short take reached the end,
+    /// the next starts from the front.
+    fn advance(&mut self, got: usize, want: usize, last: Option<TakePosition>) {
+        self.backlog = got >= want;
+        if got < want {
             self.after = None;
             return;
         }
-        let last = batch.iter().map(|m| (m.priority, m.id)).max();
         self.after = self.after.max(last);
     }
 }
@@ -557,11 +556,11 @@ impl Producer {
                 // Nothing claimable besides what its holds in flight have: still a backlog if it
                 // was one, as the next rows become claimable when those end.
                 let backlog = cursor.backlog;
-                cursor.advance(&[], want);
+                cursor.advance(0, want, None);
                 cursor.backlog = backlog && in_flight;
                 return Ok(limited);
             };
-            cursor.advance(&hold.messages, want);
+            cursor.advance(hold.messages.len(), want, hold.last);
             cursor.chained = !hold.followers.is_empty();
             // Ordered keys with more waiting behind what was taken are a backlog too.
             cursor.backlog |=

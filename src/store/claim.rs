@@ -350,13 +350,17 @@ FROM postbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9)
 /// The claim of every topic (`$1` NULL) or of one topic named exactly, from the newest floors
 /// the store has seen when its connection has none or older ones; each row carries the floors
 /// the session keeps after it.
-const CLAIM_READY: &str = r#"
+const CLAIM_READY: &str = concat!(
+    r#"
 SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
        created_at, locked_until, lease_token, last_error, dedup_key,
        CASE WHEN row_number() OVER () = 1
-            THEN current_setting(postbox.claim_floors_setting($1), true) END AS floors
-FROM postbox.claim_ready($1, $2, $3, $4, $5, $6)
-"#;
+            THEN pg_postmaster_start_time()::text || '|' || current_setting(postbox.claim_floors_setting($1), true)
+            END AS floors
+FROM postbox.claim_ready($1, $2, $3, $4, $5, "#,
+    floors_in!("$6"),
+    ")"
+);
 
 impl Store {
     /// The floors to claim from for every topic (`None`) or `topic`: the newest this store saw.
@@ -365,7 +369,10 @@ impl Store {
         all.get(topic).cloned()
     }
 
-    /// Keeps `state`, the floors a claim left, for the store's other connections.
+    /// Keeps `state`, the floors a claim left, for the store's other connections. They are
+    /// stamped with the server's start ([`floors_in!`] passes them only to the same server): a
+    /// server restarted after a crash that lost asynchronous commits, or a standby promoted, may
+    /// hand out again transaction ids the floors are past.
     pub(super) fn keep_floors(&self, topic: Option<String>, state: String) {
         if let Ok(mut all) = self.floors.lock() {
             all.insert(topic, state);

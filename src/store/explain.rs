@@ -138,6 +138,9 @@ impl Store {
                     .bind::<Nullable<Text>, _>(Some(topic))
                     .bind::<Integer, _>(batch)
                     .bind::<Nullable<Text>, _>(floors.clone())
+                    .bind::<Nullable<Integer>, _>(None::<i32>)
+                    .bind::<Nullable<Text>, _>(None::<String>)
+                    .bind::<Nullable<BigInt>, _>(None::<i64>)
             };
             conn.batch_execute("SAVEPOINT take").await?;
             let lines: Vec<PlanLine> = take(&format!("EXPLAIN (ANALYZE, BUFFERS) {TAKE_READY}"))
@@ -198,8 +201,11 @@ const PICK: &str =
     "postbox.pick(integer, boolean, text[], text[], text[], text[], smallint, bigint)";
 const CLAIM_READY: &str =
     "postbox.claim_ready(text, integer, double precision, bigint, text, text)";
-const WHOLE_CLAIM: &str =
-    "EXPLAIN (ANALYZE, BUFFERS) SELECT * FROM postbox.claim_ready($1, $2, 30, 0, 'explain', $3)";
+const WHOLE_CLAIM: &str = concat!(
+    "EXPLAIN (ANALYZE, BUFFERS) SELECT * FROM postbox.claim_ready($1, $2, 30, 0, 'explain', ",
+    floors_in!("$3"),
+    ")"
+);
 const MOST_URGENT: &str = "SELECT min(priority)::integer AS priority FROM postbox.messages
      WHERE state = 'available' AND ($1::text IS NULL OR topic = $1)";
 const NARROW: &str = "SELECT postbox.narrow_topics($1, $2, $3, $4, $5, 16) AS topics";

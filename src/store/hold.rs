@@ -38,10 +38,13 @@ macro_rules! take_columns {
 /// the session keeps after it.
 pub(super) const TAKE_READY: &str = concat!(
     take_columns!(
-        ", CASE WHEN row_number() OVER () = 1
-            THEN current_setting(postbox.claim_floors_setting($3), true) END AS floors"
+        ", ready_xid::text AS ready_xid, CASE WHEN row_number() OVER () = 1
+            THEN pg_postmaster_start_time()::text || '|' || current_setting(postbox.claim_floors_setting($3), true)
+            END AS floors"
     ),
-    "postbox.take_ready($3, $4, $5)"
+    "postbox.take_ready($3, $4, ",
+    floors_in!("$5"),
+    ", $6, $7::text::xid8, $8)"
 );
 
 /// The planner settings of the claim functions, for the transaction of a hold (one round trip
@@ -178,8 +181,32 @@ pub(super) struct HeldRow {
 pub(super) struct HeldReadyRow {
     #[diesel(embed)]
     pub(super) held: HeldRow,
+    #[diesel(sql_type = Text)]
+    ready_xid: String,
     #[diesel(sql_type = Nullable<Text>)]
     floors: Option<String>,
+}
+
+/// A position in the order a take walks, where the last take of a claim loop ended: the next
+/// take, while the loop's holds are in flight, starts after it (see [`Store::take`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct TakePosition {
+    priority: i16,
+    /// The transaction that made the message available, for the takes that walk the floors'
+    /// order (priority, ready_xid, id); none for the others' (priority, id).
+    ready: Option<u64>,
+    id: i64,
+}
+
+impl TakePosition {
+    /// The position of message `id` of `priority` in the order (priority, id).
+    pub fn at(priority: i16, id: i64) -> Self {
+        TakePosition {
+            priority,
+            ready: None,
+            id,
+        }
+    }
 }
 
 #[derive(QueryableByName)]
@@ -213,6 +240,9 @@ pub struct Hold {
     /// True when a key's share of the followers was used up: more of its messages may wait
     /// behind them.
     pub followers_capped: bool,
+    /// Where the take ended in the order it walked (its last message): the position for the
+    /// next take while this one is in flight.
+    pub last: Option<TakePosition>,
 }
 
 impl std::fmt::Debug for Hold {
@@ -286,7 +316,7 @@ impl Store {
         batch: usize,
         limit: Duration,
         topics: &Topics,
-        after: Option<(i16, i64)>,
+        after: Option<TakePosition>,
         followers: usize,
     ) -> Result<Option<Hold>> {
         if batch == 0 || topics.is_empty() {
@@ -303,25 +333,38 @@ impl Store {
         AnsiTransactionManager::begin_transaction_sql(&mut *conn, &begin_take(limit)).await?;
         let plain = topics.all && topics.not_exact.is_empty() && topics.not_like.is_empty();
         let single = topics.single();
-        let rows: Vec<HeldRow> = if plain || single.is_some() {
+        let (rows, last): (Vec<HeldRow>, Option<TakePosition>) = if plain || single.is_some() {
             // From the floors the store's claims and takes keep (see the migration
             // `ready_takes`); `after` is not needed: the floors stop at the rows in flight.
             let which = single.map(str::to_owned);
             let floors = self.floors_of(&which);
+            let after = after.and_then(|a| Some((a.priority, a.ready?.to_string(), a.id)));
             let got: Vec<HeldReadyRow> = diesel::sql_query(TAKE_READY)
                 .bind::<Double, _>(limit.as_secs_f64())
                 .bind::<BigInt, _>(token)
                 .bind::<Nullable<Text>, _>(&which)
                 .bind::<Integer, _>(batch)
                 .bind::<Nullable<Text>, _>(floors)
+                .bind::<Nullable<Integer>, _>(after.as_ref().map(|a| i32::from(a.0)))
+                .bind::<Nullable<Text>, _>(after.as_ref().map(|a| a.1.clone()))
+                .bind::<Nullable<BigInt>, _>(after.as_ref().map(|a| a.2))
                 .load(&mut *conn)
                 .await?;
             if let Some(newest) = got.iter().find_map(|r| r.floors.clone()) {
                 self.keep_floors(which, newest);
             }
-            got.into_iter().map(|r| r.held).collect()
+            let last = got
+                .iter()
+                .map(|r| TakePosition {
+                    priority: r.held.message.priority,
+                    ready: r.ready_xid.parse().ok(),
+                    id: r.held.message.id,
+                })
+                .max();
+            (got.into_iter().map(|r| r.held).collect(), last)
         } else {
-            diesel::sql_query(TAKE)
+            let after = after.map(|a| (a.priority, a.id));
+            let rows: Vec<HeldRow> = diesel::sql_query(TAKE)
                 .bind::<Double, _>(limit.as_secs_f64())
                 .bind::<BigInt, _>(token)
                 .bind::<Integer, _>(batch)
@@ -333,7 +376,12 @@ impl Store {
                 .bind::<Nullable<SmallInt>, _>(after.map(|a| a.0))
                 .bind::<Nullable<BigInt>, _>(after.map(|a| a.1))
                 .load(&mut *conn)
-                .await?
+                .await?;
+            let last = rows
+                .iter()
+                .map(|r| TakePosition::at(r.message.priority, r.message.id))
+                .max();
+            (rows, last)
         };
         let Some(xid) = rows.as_slice().first().map(|r| r.xid.clone()) else {
             AnsiTransactionManager::commit_transaction(&mut *conn).await?;
@@ -383,6 +431,7 @@ impl Store {
             messages,
             followers,
             followers_capped,
+            last,
         }))
     }
 

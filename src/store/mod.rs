@@ -6,6 +6,22 @@
 
 pub mod migrate;
 
+/// The floors a store kept (`stamp|floors`, see `Store::keep_floors`) as the claim functions take
+/// them: only on the server that gave them (its start time is the stamp), else NULL (the session's
+/// own, or a walk from the front once).
+#[cfg(feature = "async")]
+macro_rules! floors_in {
+    ($param:literal) => {
+        concat!(
+            "CASE WHEN split_part(",
+            $param,
+            ", '|', 1) = pg_postmaster_start_time()::text THEN split_part(",
+            $param,
+            ", '|', 2) END"
+        )
+    };
+}
+
 /// The CTEs that take messages out of the queue for good (delivered, dead-lettered, cancelled),
 /// ending in `$name`: every column of each message as it was, and `kept`. `$ids`, `$tokens`: the
 /// messages and their leases (`NULL::bigint[]` for rows the statement has locked itself: a held
@@ -162,7 +178,7 @@ pub use self::{
     claim::{ClaimedMessage, Topics},
     dead::{DeadLetter, DeadSelector, ReplayReport},
     explain::SettleStatement,
-    hold::{HOLD_GRACE, Hold, HoldEnded},
+    hold::{HOLD_GRACE, Hold, HoldEnded, TakePosition},
     kept::{FINISH_BATCH, Finished},
     limit::Limit,
     listen::{listen, register_listener, still_running, unregister_listener},

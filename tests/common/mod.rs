@@ -496,6 +496,11 @@ impl OwnServer {
         format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
     }
 
+    /// The server's data directory (stop the server before copying or replacing it).
+    pub fn data_dir(&self) -> std::path::PathBuf {
+        self.dir.join("data")
+    }
+
     /// A database on this server with postbox's migrations applied.
     pub fn migrated(&self) -> TestDb {
         let mut admin = PgConnection::establish(&self.url("postgres")).unwrap();
