@@ -249,7 +249,14 @@ async fn hold_and_hand_over_plans_keep_their_shape_on_a_table_never_analyzed() {
     assert!(!plan.contains("Seq Scan on messages"), "{plan}");
     let sections = buffers_by_section(&plan);
     let names: Vec<&str> = sections.iter().map(|(n, _)| n.as_str()).collect();
-    assert_eq!(names, ["take", "followers", "settle"], "{plan}");
+    assert_eq!(
+        names,
+        ["take", "take after", "followers", "settle"],
+        "{plan}"
+    );
+    // The takes walk their index in its order: no sort of what they read.
+    let takes = &plan[..plan.find("-- followers").unwrap()];
+    assert!(!takes.contains("Sort"), "{plan}");
     for (name, n) in &sections {
         // A plan that walks an index for each id instead of looking it up reads tens of thousands
         // of buffers here (the followers' lock by messages_waiting_idx: 44,000).

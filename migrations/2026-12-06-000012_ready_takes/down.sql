@@ -1,1 +1,1 @@
-DROP FUNCTION postbox.take_ready(text, integer, text, integer, xid8, bigint);
+DROP FUNCTION postbox.take_ready(text, integer, text);

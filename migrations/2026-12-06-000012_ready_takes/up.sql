@@ -16,9 +16,7 @@
 -- ended by the server) hides nothing; the next take walks the entries of the rows the last holds
 -- deleted, a few batches' worth, and no more.
 
-CREATE FUNCTION postbox.take_ready(p_topic text, p_batch integer, p_floors text DEFAULT NULL,
-                                   p_after_priority integer DEFAULT NULL, p_after_xid xid8 DEFAULT NULL,
-                                   p_after_id bigint DEFAULT NULL)
+CREATE FUNCTION postbox.take_ready(p_topic text, p_batch integer, p_floors text DEFAULT NULL)
     RETURNS SETOF postbox.messages
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
@@ -32,10 +30,6 @@ DECLARE
     -- A take inside a transaction that already wrote (a caller's own SQL; the relay's take is the
     -- first statement of its transaction) sees its own changes: its floors are not kept.
     v_keep boolean := pg_current_xact_id_if_assigned() IS NULL;
-    -- The walk starts after this position of the order (priority, ready_xid, id) when one is given.
-    v_after_xid xid8;
-    v_after_id bigint;
-    v_walk xid8;
     v_setting text := postbox.claim_floors_setting(p_topic);
     v_state text := current_setting(postbox.claim_floors_setting(p_topic), true);
     v_snap pg_snapshot := pg_current_snapshot();
@@ -55,7 +49,6 @@ DECLARE
     v_hi integer;
     v_found integer;
     v_pair text;
-    v_ids bigint[] := '{}';
     v_more bigint[];
     v_got integer := 0;
     v_n integer;
@@ -135,22 +128,7 @@ BEGIN
         EXIT WHEN v_got >= v_batch;
         v_priority := v_priorities[i];
         v_from := v_floors[i];
-        -- After a position (the relay's holds are in flight: their rows are locked, and it does
-        -- not pay a lock check for each): nothing before its priority, and in its priority only
-        -- what is after it. Rows that became available behind it wait for the next take without
-        -- one (every few tens of milliseconds); the floors kept below are not moved past them.
-        v_walk := v_from;
-        v_after_xid := '0';
-        v_after_id := 0;
-        IF p_after_priority IS NOT NULL AND p_after_xid IS NOT NULL AND p_after_id IS NOT NULL THEN
-            CONTINUE WHEN v_priority < p_after_priority;
-            IF v_priority = p_after_priority THEN
-                v_walk := greatest(v_from, p_after_xid);
-                v_after_xid := p_after_xid;
-                v_after_id := p_after_id;
-            END IF;
-        END IF;
-        IF cardinality(v_ended_all) > 0 AND v_after_xid = '0' THEN
+        IF cardinality(v_ended_all) > 0 THEN
             -- The rows of the pending transactions that ended, by their ids.
             -- (One equality per id, so the index is entered at each: a condition "= ANY" on
             -- its second column is planned as a filter over everything below.)
@@ -163,47 +141,35 @@ BEGIN
                             AND (p_topic IS NULL OR m.topic = p_topic)
                           LIMIT v_batch - v_got
                           FOR NO KEY UPDATE SKIP LOCKED) c;
-            v_ids := v_ids || coalesce(v_more[1:v_batch - v_got], '{}');
-            v_got := cardinality(v_ids);
+            v_more := coalesce(v_more[1:v_batch - v_got], '{}');
+            RETURN QUERY SELECT m.* FROM postbox.messages m WHERE m.id = ANY(v_more);
+            v_got := v_got + cardinality(v_more);
             EXIT WHEN v_got >= v_batch;
         END IF;
         IF p_topic IS NULL THEN
-            -- explain: every topic
-            SELECT array_agg(c.id), count(*)
-            INTO v_more, v_n
-            FROM (SELECT m.id FROM postbox.messages m
-                  WHERE m.state = 'available' AND m.priority::integer = v_priority AND m.ready_xid >= v_walk
-                    AND (m.ready_xid, m.id) > (v_after_xid, v_after_id)
-                  ORDER BY m.priority::integer, m.ready_xid, m.id
-                  LIMIT v_batch - v_got
-                  FOR NO KEY UPDATE SKIP LOCKED) c;
+            -- Locked, and left available: the hold deletes what it delivers and leases the rest
+            -- when it ends. (Returned as they are locked: no second look-up by id.)
+            RETURN QUERY
+            SELECT m.* FROM postbox.messages m
+            WHERE m.state = 'available' AND m.priority::integer = v_priority AND m.ready_xid >= v_from
+            ORDER BY m.priority::integer, m.ready_xid, m.id
+            LIMIT v_batch - v_got
+            FOR NO KEY UPDATE SKIP LOCKED;
         ELSE
-            -- explain: one topic
-            SELECT array_agg(c.id), count(*)
-            INTO v_more, v_n
-            FROM (SELECT m.id FROM postbox.messages m
-                  WHERE m.state = 'available' AND m.topic = p_topic AND m.priority::integer = v_priority
-                    AND m.ready_xid >= v_walk AND (m.ready_xid, m.id) > (v_after_xid, v_after_id)
-                  ORDER BY m.topic, m.priority::integer, m.ready_xid, m.id
-                  LIMIT v_batch - v_got
-                  FOR NO KEY UPDATE SKIP LOCKED) c;
+            RETURN QUERY
+            SELECT m.* FROM postbox.messages m
+            WHERE m.state = 'available' AND m.topic = p_topic AND m.priority::integer = v_priority
+              AND m.ready_xid >= v_from
+            ORDER BY m.topic, m.priority::integer, m.ready_xid, m.id
+            LIMIT v_batch - v_got
+            FOR NO KEY UPDATE SKIP LOCKED;
         END IF;
-        IF v_n > 0 THEN
-            v_ids := v_ids || v_more;
-            v_got := v_got + v_n;
-        END IF;
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_got := v_got + v_n;
     END LOOP;
-    IF v_got > 0 THEN
-        -- Locked above (FOR NO KEY UPDATE), and left available: the hold deletes what it
-        -- delivers and leases the rest when it ends.
-        RETURN QUERY
-        SELECT m.* FROM postbox.messages m WHERE m.id = ANY(v_ids);
-    END IF;
     -- The new floors: the first row still available of each priority (as of now, which sees
     -- at least what v_snap saw; the rows just locked are among them), else the snapshot's end;
-    -- what was running at v_snap is pending. After a position, the floors up to its priority
-    -- stay where they were (lowered for the pending transactions that ended): the walk did not
-    -- look below the position, and the floor would stop at the rows in flight anyway.
+    -- what was running at v_snap is pending.
     IF NOT v_keep THEN
         RETURN;
     END IF;
@@ -221,10 +187,7 @@ BEGIN
                             AND (p_topic IS NULL OR m.topic = p_topic)
                           LIMIT 1) c;
         END IF;
-        IF p_after_priority IS NOT NULL AND p_after_xid IS NOT NULL AND p_after_id IS NOT NULL
-           AND v_priority <= p_after_priority THEN
-            v_next := v_from;
-        ELSIF p_topic IS NULL THEN
+        IF p_topic IS NULL THEN
             -- explain: a floor
             SELECT m.ready_xid
             INTO v_next
@@ -258,5 +221,5 @@ BEGIN
 END
 $$;
 
-COMMENT ON FUNCTION postbox.take_ready(text, integer, text, integer, xid8, bigint) IS
+COMMENT ON FUNCTION postbox.take_ready(text, integer, text) IS
     'The take of a held batch of every topic (p_topic NULL) or of one topic named exactly: postbox.claim_ready''s walk from the floors, locking the rows instead of leasing them; see the migration ready_takes';

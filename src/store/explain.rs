@@ -6,7 +6,7 @@ use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Nullable, SmallInt
 use diesel_async::SimpleAsyncConnection;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
-use super::hold::{FOLLOWERS, HeldReadyRow, SETTLE, TAKE_READY};
+use super::hold::{FOLLOWERS, HeldReadyRow, SETTLE, TAKE_READY, TAKE_READY_AFTER_ONE};
 use super::settle::{COMPLETE, COMPLETE_KEEP, DEAD_LETTER, EXTEND, RELEASE, RETRY};
 use super::{Lease, Store, Topics, split};
 use crate::error::{Error, Result};
@@ -111,7 +111,8 @@ impl Store {
     }
 
     /// `EXPLAIN (ANALYZE, BUFFERS)` of a held batch of `topic` as deployed, each statement under a
-    /// `-- take`, `-- followers`, `-- settle` line: the take of up to `batch` messages, the take
+    /// `-- take`, `-- take after`, `-- followers`, `-- settle` line: the take of up to `batch`
+    /// messages from the store's floors, the next take while that one is in flight, the take
     /// of up to `followers` messages behind each ordered head among them, and the end of a hold
     /// that delivered the heads (each key hands over to its next message; the settle's plan
     /// counts the buffers of the promotion it calls). Run in a transaction that is rolled back:
@@ -138,9 +139,6 @@ impl Store {
                     .bind::<Nullable<Text>, _>(Some(topic))
                     .bind::<Integer, _>(batch)
                     .bind::<Nullable<Text>, _>(floors.clone())
-                    .bind::<Nullable<Integer>, _>(None::<i32>)
-                    .bind::<Nullable<Text>, _>(None::<String>)
-                    .bind::<Nullable<BigInt>, _>(None::<i64>)
             };
             conn.batch_execute("SAVEPOINT take").await?;
             let lines: Vec<PlanLine> = take(&format!("EXPLAIN (ANALYZE, BUFFERS) {TAKE_READY}"))
@@ -151,6 +149,26 @@ impl Store {
             // What the plan's run locked is taken again for the statements below.
             conn.batch_execute("ROLLBACK TO SAVEPOINT take").await?;
             let held: Vec<HeldReadyRow> = take(TAKE_READY).load(conn).await?;
+            // The next take while this one is in flight: after its last row.
+            if let Some(last) = held
+                .iter()
+                .map(|r| (r.held.message.priority, r.ready_xid.as_str(), r.held.message.id))
+                .max_by_key(|(p, x, id)| (*p, x.parse::<u64>().unwrap_or(0), *id))
+            {
+                let lines: Vec<PlanLine> =
+                    diesel::sql_query(format!("EXPLAIN (ANALYZE, BUFFERS) {TAKE_READY_AFTER_ONE}"))
+                        .bind::<Double, _>(30.0)
+                        .bind::<BigInt, _>(0)
+                        .bind::<Text, _>(topic)
+                        .bind::<Integer, _>(batch)
+                        .bind::<Integer, _>(i32::from(last.0))
+                        .bind::<Text, _>(last.1)
+                        .bind::<BigInt, _>(last.2)
+                        .load(conn)
+                        .await?;
+                plan.push_str("-- take after\n");
+                plan.extend(lines.into_iter().map(|l| l.line + "\n"));
+            }
             let held: Vec<_> = held.into_iter().map(|r| r.held).collect();
             let heads: Vec<_> = held
                 .iter()

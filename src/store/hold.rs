@@ -44,7 +44,27 @@ pub(super) const TAKE_READY: &str = concat!(
     ),
     "postbox.take_ready($3, $4, ",
     floors_in!("$5"),
-    ", $6, $7::text::xid8, $8)"
+    ")"
+);
+
+/// The take of every topic after a position of the floors' order, while the claim loop's holds are
+/// in flight: its priority only ($5), after ($6 ready_xid, $7 id). One statement, no function: the
+/// floors stay where they are (below the rows in flight), and a short take sends the loop back to
+/// [`TAKE_READY`].
+const TAKE_READY_AFTER: &str = concat!(
+    take_columns!(", ready_xid::text AS ready_xid, NULL::text AS floors"),
+    "postbox.messages m WHERE $3::text IS NULL AND state = 'available' AND priority::integer = $5
+       AND m.ready_xid >= $6::text::xid8 AND (m.ready_xid, m.id) > ($6::text::xid8, $7)
+     ORDER BY m.priority::integer, m.ready_xid, m.id LIMIT $4 FOR NO KEY UPDATE SKIP LOCKED"
+);
+
+/// [`TAKE_READY_AFTER`] for one topic ($3). (The order names the table's columns: a bare
+/// `ready_xid` there would be the text the statement returns, sorted.)
+pub(super) const TAKE_READY_AFTER_ONE: &str = concat!(
+    take_columns!(", ready_xid::text AS ready_xid, NULL::text AS floors"),
+    "postbox.messages m WHERE state = 'available' AND topic = $3 AND priority::integer = $5
+       AND m.ready_xid >= $6::text::xid8 AND (m.ready_xid, m.id) > ($6::text::xid8, $7)
+     ORDER BY m.topic, m.priority::integer, m.ready_xid, m.id LIMIT $4 FOR NO KEY UPDATE SKIP LOCKED"
 );
 
 /// The planner settings of the claim functions, for the transaction of a hold (one round trip
@@ -182,7 +202,7 @@ pub(super) struct HeldReadyRow {
     #[diesel(embed)]
     pub(super) held: HeldRow,
     #[diesel(sql_type = Text)]
-    ready_xid: String,
+    pub(super) ready_xid: String,
     #[diesel(sql_type = Nullable<Text>)]
     floors: Option<String>,
 }
@@ -335,21 +355,47 @@ impl Store {
         let single = topics.single();
         let (rows, last): (Vec<HeldRow>, Option<TakePosition>) = if plain || single.is_some() {
             // From the floors the store's claims and takes keep (see the migration
-            // `ready_takes`); `after` is not needed: the floors stop at the rows in flight.
+            // `ready_takes`), or after the position, in the floors' order.
             let which = single.map(str::to_owned);
             let floors = self.floors_of(&which);
-            let after = after.and_then(|a| Some((a.priority, a.ready?.to_string(), a.id)));
-            let got: Vec<HeldReadyRow> = diesel::sql_query(TAKE_READY)
-                .bind::<Double, _>(limit.as_secs_f64())
-                .bind::<BigInt, _>(token)
-                .bind::<Nullable<Text>, _>(&which)
-                .bind::<Integer, _>(batch)
-                .bind::<Nullable<Text>, _>(floors)
-                .bind::<Nullable<Integer>, _>(after.as_ref().map(|a| i32::from(a.0)))
-                .bind::<Nullable<Text>, _>(after.as_ref().map(|a| a.1.clone()))
-                .bind::<Nullable<BigInt>, _>(after.as_ref().map(|a| a.2))
-                .load(&mut *conn)
-                .await?;
+            let after =
+                after.and_then(|a| Some((i32::from(a.priority), a.ready?.to_string(), a.id)));
+            let got: Vec<HeldReadyRow> = match (after, &which) {
+                (Some((priority, ready, id)), None) => {
+                    diesel::sql_query(TAKE_READY_AFTER)
+                        .bind::<Double, _>(limit.as_secs_f64())
+                        .bind::<BigInt, _>(token)
+                        .bind::<Nullable<Text>, _>(&which)
+                        .bind::<Integer, _>(batch)
+                        .bind::<Integer, _>(priority)
+                        .bind::<Text, _>(ready)
+                        .bind::<BigInt, _>(id)
+                        .load(&mut *conn)
+                        .await?
+                }
+                (Some((priority, ready, id)), Some(topic)) => {
+                    diesel::sql_query(TAKE_READY_AFTER_ONE)
+                        .bind::<Double, _>(limit.as_secs_f64())
+                        .bind::<BigInt, _>(token)
+                        .bind::<Text, _>(topic)
+                        .bind::<Integer, _>(batch)
+                        .bind::<Integer, _>(priority)
+                        .bind::<Text, _>(ready)
+                        .bind::<BigInt, _>(id)
+                        .load(&mut *conn)
+                        .await?
+                }
+                (None, _) => {
+                    diesel::sql_query(TAKE_READY)
+                        .bind::<Double, _>(limit.as_secs_f64())
+                        .bind::<BigInt, _>(token)
+                        .bind::<Nullable<Text>, _>(&which)
+                        .bind::<Integer, _>(batch)
+                        .bind::<Nullable<Text>, _>(floors)
+                        .load(&mut *conn)
+                        .await?
+                }
+            };
             if let Some(newest) = got.iter().find_map(|r| r.floors.clone()) {
                 self.keep_floors(which, newest);
             }
