@@ -2,7 +2,8 @@
 //!
 //! On a PostgreSQL cluster of its own, started here with autovacuum on as production runs it
 //! (`autovacuum_naptime` 1 min; the machine's shared server runs with autovacuum off) and fsync
-//! off (the disk is not what is measured): writers enqueue `--rate` messages a second (default
+//! off (the disk is not what is measured), logging the plan of every statement slower than 250 ms
+//! and each autovacuum run (kept in `target/bench-xmin-server.log`): writers enqueue `--rate` messages a second (default
 //! 800; 4 connections, each message its own transaction), the embedded engine drains them (every
 //! topic, a no-op handler), and after 2 clean minutes a `REPEATABLE READ` transaction holds its
 //! snapshot for `--pin-minutes` (default 10), then rolls back; 3 minutes follow.
@@ -97,7 +98,11 @@ impl Cluster {
         );
         let options = format!(
             "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories={} -c fsync=off \
-             -c autovacuum=on -c autovacuum_naptime=60 -c shared_buffers=256MB -c max_connections=100",
+             -c autovacuum=on -c autovacuum_naptime=60 -c shared_buffers=256MB -c max_connections=100 \
+             -c session_preload_libraries=auto_explain -c auto_explain.log_min_duration=250 \
+             -c auto_explain.log_nested_statements=on -c auto_explain.log_buffers=on \
+             -c auto_explain.log_analyze=on -c auto_explain.log_timing=off \
+             -c log_autovacuum_min_duration=0",
             c.port,
             c.dir.to_str().unwrap()
         );
@@ -125,6 +130,12 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        // The server's log (the plans of statements slower than 250 ms, autovacuum's runs) is
+        // kept beside the build for a look afterwards.
+        let kept = std::path::Path::new("target/bench-xmin-server.log");
+        if std::fs::copy(self.dir.join("log"), kept).is_ok() {
+            eprintln!("xmin: the server's log is in {}", kept.display());
+        }
         let data = self.dir.join("data");
         let _ = self
             .tool("pg_ctl")
@@ -336,6 +347,12 @@ pub async fn run(rate: u64, pin_minutes: u64) {
         .unwrap_or(f64::NAN);
     let lost = produced.load(Ordering::Relaxed) as i64 - delivered.load(Ordering::Relaxed) as i64;
     println!("xmin_p99_ratio={:.2}", last.p99 / clean_p99);
+    // The last minute can hide a stall in the middle of the pin.
+    let worst = of("pinned").iter().map(|m| m.p99).fold(0.0, f64::max);
+    println!(
+        "xmin_p99_ratio_worst_pinned_minute={:.2}",
+        worst / clean_p99
+    );
     println!("xmin_claim_ms_ratio={:.2}", last.claim_ms / clean_ms);
     println!(
         "xmin_claim_buffers_ratio={:.2}",
