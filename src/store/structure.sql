@@ -484,7 +484,7 @@ BEGIN
                 FROM postbox.messages m
                 WHERE m.state = 'available' AND m.priority::integer > v_lo AND m.priority::integer < v_hi
                   AND m.ready_xid >= v_from
-                ORDER BY m.priority::integer LIMIT 1;
+                ORDER BY m.priority::integer, m.ready_xid LIMIT 1;
             ELSE
                 -- explain: a priority of the topic not known yet
                 SELECT m.priority::integer
@@ -493,7 +493,7 @@ BEGIN
                 WHERE m.state = 'available' AND m.topic = p_topic
                   AND m.priority::integer > v_lo AND m.priority::integer < v_hi
                   AND m.ready_xid >= v_from
-                ORDER BY m.priority::integer LIMIT 1;
+                ORDER BY m.priority::integer, m.ready_xid LIMIT 1;
             END IF;
             EXIT WHEN NOT FOUND;
             v_priorities := v_priorities || v_found;
@@ -519,6 +519,7 @@ BEGIN
                           WHERE m.state = 'available' AND m.priority::integer = v_priority
                             AND m.ready_xid = e.x AND m.ready_xid < v_from
                             AND (p_topic IS NULL OR m.topic = p_topic)
+                          ORDER BY m.priority::integer, m.ready_xid, m.id
                           LIMIT v_batch - v_got
                           FOR NO KEY UPDATE SKIP LOCKED) c;
             v_ids := v_ids || coalesce(v_more[1:v_batch - v_got], '{}');
@@ -575,6 +576,7 @@ BEGIN
                           WHERE m.state = 'available' AND m.priority::integer = v_priority
                             AND m.ready_xid = e.x AND m.ready_xid < v_from
                             AND (p_topic IS NULL OR m.topic = p_topic)
+                          ORDER BY m.priority::integer, m.ready_xid, m.id
                           LIMIT 1) c;
         END IF;
         IF p_topic IS NULL THEN
@@ -1755,7 +1757,7 @@ BEGIN
                 FROM postbox.messages m
                 WHERE m.state = 'available' AND m.priority::integer > v_lo AND m.priority::integer < v_hi
                   AND m.ready_xid >= v_from
-                ORDER BY m.priority::integer LIMIT 1;
+                ORDER BY m.priority::integer, m.ready_xid LIMIT 1;
             ELSE
                 -- explain: a priority of the topic not known yet
                 SELECT m.priority::integer
@@ -1764,7 +1766,7 @@ BEGIN
                 WHERE m.state = 'available' AND m.topic = p_topic
                   AND m.priority::integer > v_lo AND m.priority::integer < v_hi
                   AND m.ready_xid >= v_from
-                ORDER BY m.priority::integer LIMIT 1;
+                ORDER BY m.priority::integer, m.ready_xid LIMIT 1;
             END IF;
             EXIT WHEN NOT FOUND;
             v_priorities := v_priorities || v_found;
@@ -1790,6 +1792,7 @@ BEGIN
                           WHERE m.state = 'available' AND m.priority::integer = v_priority
                             AND m.ready_xid = e.x AND m.ready_xid < v_from
                             AND (p_topic IS NULL OR m.topic = p_topic)
+                          ORDER BY m.priority::integer, m.ready_xid, m.id
                           LIMIT v_batch - v_got
                           FOR NO KEY UPDATE SKIP LOCKED) c;
             v_more := coalesce(v_more[1:v_batch - v_got], '{}');
@@ -1836,6 +1839,7 @@ BEGIN
                           WHERE m.state = 'available' AND m.priority::integer = v_priority
                             AND m.ready_xid = e.x AND m.ready_xid < v_from
                             AND (p_topic IS NULL OR m.topic = p_topic)
+                          ORDER BY m.priority::integer, m.ready_xid, m.id
                           LIMIT 1) c;
         END IF;
         IF p_topic IS NULL THEN
