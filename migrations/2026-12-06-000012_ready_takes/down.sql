@@ -1,3 +1,5 @@
+DROP FUNCTION postbox.boot_token();
+DROP TABLE postbox.boot;
 DROP FUNCTION postbox.take_ready(text, integer, text);
 
 -- The claim as the migration ready_positions made it.

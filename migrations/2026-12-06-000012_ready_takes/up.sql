@@ -449,3 +449,35 @@ BEGIN
                        false);
 END
 $$;
+
+-- What identifies this server's run for the floors a store hands its other connections: after a
+-- crash (the server reinitialises without restarting, so its start time stays) or on a standby
+-- promoted, transaction ids the floors had passed may be handed out again. An unlogged table is
+-- emptied by both, and kept by a clean restart (which re-uses no id): its token changes exactly
+-- when the floors stop being true.
+CREATE UNLOGGED TABLE postbox.boot (
+    one boolean PRIMARY KEY DEFAULT true CHECK (one),
+    token text NOT NULL
+);
+COMMENT ON TABLE postbox.boot IS
+    'One row, emptied by a crash or a promotion (unlogged): the token the floors a store keeps are stamped with; see the migration ready_takes';
+
+CREATE FUNCTION postbox.boot_token() RETURNS text
+    LANGUAGE plpgsql
+    SECURITY DEFINER
+    SET search_path TO 'pg_catalog'
+    AS $$
+DECLARE
+    v_token text;
+BEGIN
+    SELECT token INTO v_token FROM postbox.boot;
+    IF v_token IS NULL THEN
+        INSERT INTO postbox.boot (token) VALUES (md5(random()::text || clock_timestamp()::text))
+        ON CONFLICT (one) DO NOTHING;
+        SELECT token INTO v_token FROM postbox.boot;
+    END IF;
+    RETURN v_token;
+END
+$$;
+COMMENT ON FUNCTION postbox.boot_token() IS
+    'The token of this server''s run (see postbox.boot)';

@@ -355,7 +355,7 @@ const CLAIM_READY: &str = concat!(
 SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
        created_at, locked_until, lease_token, last_error, dedup_key,
        CASE WHEN row_number() OVER () = 1
-            THEN pg_postmaster_start_time()::text || '|' || current_setting(postbox.claim_floors_setting($1), true)
+            THEN postbox.boot_token() || '|' || current_setting(postbox.claim_floors_setting($1), true)
             END AS floors
 FROM postbox.claim_ready($1, $2, $3, $4, $5, "#,
     floors_in!("$6"),
@@ -370,9 +370,9 @@ impl Store {
     }
 
     /// Keeps `state`, the floors a claim left, for the store's other connections. They are
-    /// stamped with the server's start ([`floors_in!`] passes them only to the same server): a
-    /// server restarted after a crash that lost asynchronous commits, or a standby promoted, may
-    /// hand out again transaction ids the floors are past.
+    /// stamped with the server run's token (`floors_in!` passes them only to the same run): a
+    /// server reinitialised after a crash that lost asynchronous commits, or a standby promoted,
+    /// may hand out again transaction ids the floors are past.
     pub(super) fn keep_floors(&self, topic: Option<String>, state: String) {
         if let Ok(mut all) = self.floors.lock() {
             all.insert(topic, state);

@@ -136,6 +136,12 @@ pub const TABLES: &[TableAccess] = &[
         relay: ALL_DML,
         operator: READ,
     },
+    // The token of the server's run, read and made through `postbox.boot_token()` (owner's rights).
+    TableAccess {
+        table: "boot",
+        relay: None,
+        operator: None,
+    },
     // The migrations applied: readable by PUBLIC (a role with nothing to apply sees so), written
     // by the owner's `postbox migrate`.
     TableAccess {

@@ -39,7 +39,7 @@ macro_rules! take_columns {
 pub(super) const TAKE_READY: &str = concat!(
     take_columns!(
         ", ready_xid::text AS ready_xid, CASE WHEN row_number() OVER () = 1
-            THEN pg_postmaster_start_time()::text || '|' || current_setting(postbox.claim_floors_setting($3), true)
+            THEN postbox.boot_token() || '|' || current_setting(postbox.claim_floors_setting($3), true)
             END AS floors"
     ),
     "postbox.take_ready($3, $4, ",

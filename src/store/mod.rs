@@ -7,15 +7,15 @@
 pub mod migrate;
 
 /// The floors a store kept (`stamp|floors`, see `Store::keep_floors`) as the claim functions take
-/// them: only on the server that gave them (its start time is the stamp), else NULL (the session's
-/// own, or a walk from the front once).
+/// them: only on the server run that gave them (`postbox.boot_token()`, which a crash or a
+/// promotion changes), else NULL (the session's own, or a walk from the front once).
 #[cfg(feature = "async")]
 macro_rules! floors_in {
     ($param:literal) => {
         concat!(
             "CASE WHEN split_part(",
             $param,
-            ", '|', 1) = pg_postmaster_start_time()::text THEN split_part(",
+            ", '|', 1) = postbox.boot_token() THEN split_part(",
             $param,
             ", '|', 2) END"
         )

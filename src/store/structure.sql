@@ -55,6 +55,33 @@ END
 $$;
 
 --
+-- Name: boot_token(); Type: FUNCTION; Schema: postbox; Owner: -
+--
+
+CREATE FUNCTION postbox.boot_token() RETURNS text
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog'
+    AS $$
+DECLARE
+    v_token text;
+BEGIN
+    SELECT token INTO v_token FROM postbox.boot;
+    IF v_token IS NULL THEN
+        INSERT INTO postbox.boot (token) VALUES (md5(random()::text || clock_timestamp()::text))
+        ON CONFLICT (one) DO NOTHING;
+        SELECT token INTO v_token FROM postbox.boot;
+    END IF;
+    RETURN v_token;
+END
+$$;
+
+--
+-- Name: FUNCTION boot_token(); Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON FUNCTION postbox.boot_token() IS 'The token of this server''s run (see postbox.boot)';
+
+--
 -- Name: bytewise_topics(); Type: FUNCTION; Schema: postbox; Owner: -
 --
 
@@ -1954,6 +1981,22 @@ CREATE TABLE postbox.behind (
 );
 
 --
+-- Name: boot; Type: TABLE; Schema: postbox; Owner: -
+--
+
+CREATE UNLOGGED TABLE postbox.boot (
+    one boolean DEFAULT true NOT NULL,
+    token text NOT NULL,
+    CONSTRAINT boot_one_check CHECK (one)
+);
+
+--
+-- Name: TABLE boot; Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON TABLE postbox.boot IS 'One row, emptied by a crash or a promotion (unlogged): the token the floors a store keeps are stamped with; see the migration ready_takes';
+
+--
 -- Name: completed; Type: TABLE; Schema: postbox; Owner: -
 --
 
@@ -2181,6 +2224,13 @@ COMMENT ON TABLE postbox.turns IS 'postbox: what relays take turns on (a running
 
 ALTER TABLE ONLY postbox.behind
     ADD CONSTRAINT behind_pkey PRIMARY KEY (topic, key, id);
+
+--
+-- Name: boot boot_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -
+--
+
+ALTER TABLE ONLY postbox.boot
+    ADD CONSTRAINT boot_pkey PRIMARY KEY (one);
 
 --
 -- Name: completed_in_tx completed_in_tx_pkey; Type: CONSTRAINT; Schema: postbox; Owner: -
