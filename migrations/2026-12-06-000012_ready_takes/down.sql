@@ -1,3 +1,4 @@
+DROP FUNCTION postbox.boot_start();
 DROP FUNCTION postbox.boot_token();
 DROP TABLE postbox.boot;
 DROP FUNCTION postbox.take_ready(text, integer, text);

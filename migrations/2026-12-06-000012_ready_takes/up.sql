@@ -463,21 +463,26 @@ COMMENT ON TABLE postbox.boot IS
     'One row, emptied by a crash or a promotion (unlogged): the token the floors a store keeps are stamped with; see the migration ready_takes';
 
 CREATE FUNCTION postbox.boot_token() RETURNS text
+    LANGUAGE sql
+    STABLE
+    SECURITY DEFINER
+    SET search_path TO 'pg_catalog'
+    RETURN (SELECT token FROM postbox.boot);
+COMMENT ON FUNCTION postbox.boot_token() IS
+    'The token of this server''s run (see postbox.boot); NULL until postbox.boot_start() made one: the claims only read it (a write there would make every other claim wait for the claim''s commit)';
+
+-- Makes the run's token if there is none (the relay's upkeep calls it at start and on each
+-- tick, in a transaction of its own).
+CREATE FUNCTION postbox.boot_start() RETURNS text
     LANGUAGE plpgsql
     SECURITY DEFINER
     SET search_path TO 'pg_catalog'
     AS $$
-DECLARE
-    v_token text;
 BEGIN
-    SELECT token INTO v_token FROM postbox.boot;
-    IF v_token IS NULL THEN
-        INSERT INTO postbox.boot (token) VALUES (md5(random()::text || clock_timestamp()::text))
-        ON CONFLICT (one) DO NOTHING;
-        SELECT token INTO v_token FROM postbox.boot;
-    END IF;
-    RETURN v_token;
+    INSERT INTO postbox.boot (token) VALUES (md5(random()::text || clock_timestamp()::text))
+    ON CONFLICT (one) DO NOTHING;
+    RETURN (SELECT token FROM postbox.boot);
 END
 $$;
-COMMENT ON FUNCTION postbox.boot_token() IS
-    'The token of this server''s run (see postbox.boot)';
+COMMENT ON FUNCTION postbox.boot_start() IS
+    'Makes the token of this server''s run if there is none (see postbox.boot)';

@@ -54,6 +54,10 @@ impl Rescuer {
     /// head again (logged at WARN: no path of the model strands a key, an operator's SQL can);
     /// returns what it rescued.
     pub async fn run_once(&self) -> Result<RetryReport> {
+        // The token the store's floors are stamped with (a new one after a crash or a promotion).
+        if let Err(e) = self.store.start_run().await {
+            tracing::warn!(error = %e, "making the token of the server's run failed");
+        }
         let stale = self.store.clean_listeners().await?;
         if stale > 0 {
             tracing::info!(

@@ -369,6 +369,18 @@ impl Store {
         all.get(topic).cloned()
     }
 
+    /// Makes the token of the server's run if there is none (`postbox.boot_start()`), in a
+    /// transaction of its own: until there is one, the floors a claim leaves stay in its session
+    /// and are not handed to the store's other connections (see [`floors_in!`]). The upkeep
+    /// calls it on each tick; after a crash or a promotion the first tick makes a new one.
+    pub async fn start_run(&self) -> Result<()> {
+        let mut conn = self.conn().await?;
+        diesel::sql_query("SELECT postbox.boot_start()")
+            .execute(&mut conn)
+            .await?;
+        Ok(())
+    }
+
     /// Keeps `state`, the floors a claim left, for the store's other connections. They are
     /// stamped with the server run's token (`floors_in!` passes them only to the same run): a
     /// server reinitialised after a crash that lost asynchronous commits, or a standby promoted,

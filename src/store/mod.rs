@@ -8,7 +8,8 @@ pub mod migrate;
 
 /// The floors a store kept (`stamp|floors`, see `Store::keep_floors`) as the claim functions take
 /// them: only on the server run that gave them (`postbox.boot_token()`, which a crash or a
-/// promotion changes), else NULL (the session's own, or a walk from the front once).
+/// promotion changes; NULL until the upkeep made one), else NULL (the session's own, or a walk
+/// from the front once).
 #[cfg(feature = "async")]
 macro_rules! floors_in {
     ($param:literal) => {

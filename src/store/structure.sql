@@ -55,31 +55,56 @@ END
 $$;
 
 --
+-- Name: boot_start(); Type: FUNCTION; Schema: postbox; Owner: -
+--
+
+CREATE FUNCTION postbox.boot_start() RETURNS text
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'pg_catalog'
+    AS $$
+BEGIN
+    INSERT INTO postbox.boot (token) VALUES (md5(random()::text || clock_timestamp()::text))
+    ON CONFLICT (one) DO NOTHING;
+    RETURN (SELECT token FROM postbox.boot);
+END
+$$;
+
+--
+-- Name: FUNCTION boot_start(); Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON FUNCTION postbox.boot_start() IS 'Makes the token of this server''s run if there is none (see postbox.boot)';
+
+--
+-- Name: boot; Type: TABLE; Schema: postbox; Owner: -
+--
+
+CREATE UNLOGGED TABLE postbox.boot (
+    one boolean DEFAULT true NOT NULL,
+    token text NOT NULL,
+    CONSTRAINT boot_one_check CHECK (one)
+);
+
+--
+-- Name: TABLE boot; Type: COMMENT; Schema: postbox; Owner: -
+--
+
+COMMENT ON TABLE postbox.boot IS 'One row, emptied by a crash or a promotion (unlogged): the token the floors a store keeps are stamped with; see the migration ready_takes';
+
+--
 -- Name: boot_token(); Type: FUNCTION; Schema: postbox; Owner: -
 --
 
 CREATE FUNCTION postbox.boot_token() RETURNS text
-    LANGUAGE plpgsql SECURITY DEFINER
+    LANGUAGE sql STABLE SECURITY DEFINER
     SET search_path TO 'pg_catalog'
-    AS $$
-DECLARE
-    v_token text;
-BEGIN
-    SELECT token INTO v_token FROM postbox.boot;
-    IF v_token IS NULL THEN
-        INSERT INTO postbox.boot (token) VALUES (md5(random()::text || clock_timestamp()::text))
-        ON CONFLICT (one) DO NOTHING;
-        SELECT token INTO v_token FROM postbox.boot;
-    END IF;
-    RETURN v_token;
-END
-$$;
+    RETURN (SELECT boot.token FROM postbox.boot);
 
 --
 -- Name: FUNCTION boot_token(); Type: COMMENT; Schema: postbox; Owner: -
 --
 
-COMMENT ON FUNCTION postbox.boot_token() IS 'The token of this server''s run (see postbox.boot)';
+COMMENT ON FUNCTION postbox.boot_token() IS 'The token of this server''s run (see postbox.boot); NULL until postbox.boot_start() made one: the claims only read it (a write there would make every other claim wait for the claim''s commit)';
 
 --
 -- Name: bytewise_topics(); Type: FUNCTION; Schema: postbox; Owner: -
@@ -1979,22 +2004,6 @@ CREATE TABLE postbox.behind (
     key text NOT NULL,
     id bigint NOT NULL
 );
-
---
--- Name: boot; Type: TABLE; Schema: postbox; Owner: -
---
-
-CREATE UNLOGGED TABLE postbox.boot (
-    one boolean DEFAULT true NOT NULL,
-    token text NOT NULL,
-    CONSTRAINT boot_one_check CHECK (one)
-);
-
---
--- Name: TABLE boot; Type: COMMENT; Schema: postbox; Owner: -
---
-
-COMMENT ON TABLE postbox.boot IS 'One row, emptied by a crash or a promotion (unlogged): the token the floors a store keeps are stamped with; see the migration ready_takes';
 
 --
 -- Name: completed; Type: TABLE; Schema: postbox; Owner: -
