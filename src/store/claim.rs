@@ -371,7 +371,7 @@ impl Store {
 
     /// Makes the token of the server's run if there is none (`postbox.boot_start()`), in a
     /// transaction of its own: until there is one, the floors a claim leaves stay in its session
-    /// and are not handed to the store's other connections (see [`floors_in!`]). The upkeep
+    /// and are not handed to the store's other connections (see the migration `ready_takes`). The upkeep
     /// calls it on each tick; after a crash or a promotion the first tick makes a new one.
     pub async fn start_run(&self) -> Result<()> {
         let mut conn = self.conn().await?;
