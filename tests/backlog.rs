@@ -757,6 +757,9 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
     let mut migrations = postbox::Migrations::new(&mut conn);
     migrations
         .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // upkeep windows
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
         .unwrap(); // ready takes
     migrations
         .revert_last_migration(postbox::MIGRATIONS)

@@ -96,10 +96,15 @@ impl Cluster {
             "initdb",
             &["-D", data, "-U", "postgres", "--auth=trust", "--no-sync"],
         );
+        // Plans of statements slower than this are logged (`POSTBOX_BENCH_EXPLAIN_MS`, 250 ms).
+        let explain_ms: u64 = std::env::var("POSTBOX_BENCH_EXPLAIN_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(250);
         let options = format!(
             "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories={} -c fsync=off \
              -c autovacuum=on -c autovacuum_naptime=60 -c shared_buffers=256MB -c max_connections=100 \
-             -c session_preload_libraries=auto_explain -c auto_explain.log_min_duration=250 \
+             -c session_preload_libraries=auto_explain -c auto_explain.log_min_duration={explain_ms} \
              -c auto_explain.log_nested_statements=on -c auto_explain.log_buffers=on \
              -c auto_explain.log_analyze=on -c auto_explain.log_timing=off \
              -c log_autovacuum_min_duration=0",

@@ -80,15 +80,31 @@ pub async fn sample(
     stream: bool,
     stop: CancellationToken,
 ) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut wait = Duration::ZERO;
+    // Between samples: `every`, or longer when computing one took more than its budget (whichever
+    // relay computed it: the others then take no turn sooner either).
+    let mut period = every;
     loop {
         tokio::select! {
-            _ = tick.tick() => {}
+            _ = tokio::time::sleep(wait) => {}
             _ = stop.cancelled() => return,
         }
-        match store.sample(every).await {
+        let began = std::time::Instant::now();
+        match store.sample(period).await {
             Ok(rows) => {
+                let took = rows
+                    .iter()
+                    .find(|r| r.metric == "sample_seconds")
+                    .and_then(|r| Duration::try_from_secs_f64(r.value).ok());
+                let stretched = sample_period(every, took.unwrap_or_default());
+                if stretched > every && stretched > period {
+                    tracing::warn!(
+                        took_ms = took.unwrap_or_default().as_millis() as u64,
+                        every_ms = stretched.as_millis() as u64,
+                        "the database sample is slow (a bloated table, a pinned xmin horizon?): sampling less often"
+                    );
+                }
+                period = stretched;
                 metrics.apply_sample(Ok(&rows));
                 if let Ok(paused) = store.paused().await {
                     metrics.apply_pauses(&paused, &rows);
@@ -114,5 +130,36 @@ pub async fn sample(
                 metrics.apply_sample(Err(()));
             }
         }
+        wait = period.saturating_sub(began.elapsed());
+    }
+}
+
+/// The share of the time computing the sample may take: its queries run beside delivery on the
+/// same database, and on a bloated table or under a pinned xmin horizon they grow with what the
+/// pin keeps; the samplers then sample less often rather than take more.
+pub const SAMPLE_BUDGET: f64 = 0.1;
+
+/// The time between samples, sampling every `every`, when computing the last one took `took`:
+/// at least what keeps it within [`SAMPLE_BUDGET`].
+pub fn sample_period(every: Duration, took: Duration) -> Duration {
+    every.max(took.div_f64(SAMPLE_BUDGET))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slow_sample_spreads_the_next_out_to_stay_within_its_budget() {
+        let every = Duration::from_secs(5);
+        assert_eq!(sample_period(every, Duration::from_millis(100)), every);
+        assert_eq!(
+            sample_period(every, Duration::from_secs(1)),
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            sample_period(every, Duration::from_secs(10)),
+            Duration::from_secs(100)
+        );
     }
 }

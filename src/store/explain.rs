@@ -349,7 +349,7 @@ impl Store {
                 .ok_or_else(|| missing(name))?
                 .replace("$2", "$2::xid8");
             rolled_back(&mut conn, async |conn| {
-                conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off")
+                conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off")
                     .await?;
                 conn.batch_execute("SAVEPOINT whole").await?;
                 let whole: Vec<PlanLine> = diesel::sql_query(WHOLE_CLAIM)
@@ -401,7 +401,7 @@ impl Store {
         let none: Vec<String> = Vec::new();
         let busy = narrow.topics.as_ref().unwrap_or(&none);
         rolled_back(&mut conn, async |conn| {
-            conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off")
+            conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off")
                 .await?;
             // The rows of the topics served in the first window (what its lock statement locks).
             let mut ids: Vec<i64> = Vec::new();

@@ -14,10 +14,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use diesel::QueryableByName;
-use diesel::sql_types::Integer;
+use diesel::sql_types::{Double, Integer, Nullable};
 use diesel_async::RunQueryDsl;
 
 use super::Store;
+use super::upkeep::Walk;
 use crate::error::Result;
 
 /// Kept heads finished per statement.
@@ -30,7 +31,8 @@ const FINISH_EAGER: Duration = Duration::from_secs(1);
 /// See [`FINISH_EAGER`].
 const FINISH_EVERY: Duration = Duration::from_millis(100);
 
-const FINISH: &str = "SELECT finished, still_kept FROM postbox.finish_heads($1)";
+const FINISH: &str =
+    "SELECT finished, still_kept, walked_to FROM postbox.finish_heads($1, to_timestamp($2))";
 
 /// What this store knows of the heads it kept.
 #[derive(Debug, Default)]
@@ -57,6 +59,8 @@ struct Row {
     finished: i32,
     #[diesel(sql_type = Integer)]
     still_kept: i32,
+    #[diesel(sql_type = Double)]
+    walked_to: f64,
 }
 
 impl Store {
@@ -78,11 +82,16 @@ impl Store {
     /// skipped, never waited for.
     pub async fn finish_heads(&self) -> Result<Finished> {
         let seen = AtomicUsize::load(&self.kept.marks, Ordering::SeqCst);
+        let pass = self.upkeep.pass(Walk::Finish);
         let mut conn = self.conn().await?;
         let r: Row = diesel::sql_query(FINISH)
             .bind::<Integer, _>(FINISH_BATCH)
+            .bind::<Nullable<Double>, _>(pass.from)
             .get_result(&mut conn)
             .await?;
+        if r.finished < FINISH_BATCH {
+            self.upkeep.ended(pass, r.walked_to);
+        }
         if r.still_kept == 0 {
             // None left, unless a statement kept one since this one looked.
             let _ = self

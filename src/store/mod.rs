@@ -170,6 +170,8 @@ pub mod storable;
 mod stream;
 #[cfg(feature = "async")]
 mod stream_guard;
+#[cfg(feature = "async")]
+mod upkeep;
 
 #[cfg(feature = "async")]
 pub use self::{
@@ -192,6 +194,7 @@ pub use self::{
     },
     stream::{StreamSetup, StreamSlot, check_slot_name, stream_session_alive},
     stream_guard::SlotRecord,
+    upkeep::{DEFAULT_UPKEEP_SWEEP, UPKEEP_MARGIN},
 };
 
 #[cfg(feature = "cron")]
@@ -249,6 +252,8 @@ mod pool {
         /// name, for a connection that has none or older ones (see the migration
         /// `ready_positions`).
         pub(crate) floors: Arc<std::sync::Mutex<std::collections::HashMap<Option<String>, String>>>,
+        /// Where the upkeep's walks start (see the migration `upkeep_windows`).
+        pub(crate) upkeep: Arc<super::upkeep::Windows>,
     }
 
     impl std::fmt::Debug for Store {
@@ -272,6 +277,7 @@ mod pool {
                 archive: None,
                 kept: super::kept::new_kept(),
                 floors: Arc::default(),
+                upkeep: Arc::default(),
             }
         }
 
@@ -361,6 +367,18 @@ mod pool {
         /// unchanged: the copy is made by the statement that deletes the message.
         pub fn with_archive(mut self, sink: impl Into<String>) -> Self {
             self.archive = Some(sink.into().into());
+            self
+        }
+
+        /// Walks the whole of the upkeep's indexes (expired leases, kept heads, due scheduled
+        /// messages) every `every` ([`DEFAULT_UPKEEP_SWEEP`]); in between, each walk starts
+        /// [`UPKEEP_MARGIN`] before where its previous pass ended, so that a pinned xmin horizon
+        /// does not make every pass step over what went through that state since the pin. A row
+        /// the window cannot see (made due by a transaction older than the margin that committed
+        /// after a pass) waits for the next whole walk. `Duration::ZERO`: every pass walks
+        /// everything.
+        pub fn with_upkeep_sweep(mut self, every: std::time::Duration) -> Self {
+            self.upkeep = Arc::new(super::upkeep::Windows::new(every));
             self
         }
 

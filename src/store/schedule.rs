@@ -7,6 +7,7 @@ use diesel::sql_types::{Double, Integer, Nullable};
 use diesel_async::RunQueryDsl;
 
 use super::Store;
+use super::upkeep::Walk;
 use crate::error::Result;
 
 /// Rows `promote_due` moves per statement.
@@ -27,20 +28,28 @@ struct Row {
     promoted: i32,
     #[diesel(sql_type = Nullable<Double>)]
     next_due_secs: Option<f64>,
+    #[diesel(sql_type = Double)]
+    walked_to: f64,
 }
 
-const PROMOTE_DUE: &str = "SELECT promoted, next_due_secs FROM postbox.promote_due($1)";
+const PROMOTE_DUE: &str =
+    "SELECT promoted, next_due_secs, walked_to FROM postbox.promote_due($1, to_timestamp($2))";
 
 impl Store {
     /// Makes due scheduled messages (delayed, or backing off after a failure) available, at most
     /// [`PROMOTE_BATCH`] per call, and says when the next one is due. Safe on every replica at
     /// once; waiting relays are woken when something was promoted.
     pub async fn promote_due(&self) -> Result<Promoted> {
+        let pass = self.upkeep.pass(Walk::Promote);
         let mut conn = self.conn().await?;
         let r: Row = diesel::sql_query(PROMOTE_DUE)
             .bind::<Integer, _>(PROMOTE_BATCH)
+            .bind::<Nullable<Double>, _>(pass.from)
             .get_result(&mut conn)
             .await?;
+        if r.promoted < PROMOTE_BATCH {
+            self.upkeep.ended(pass, r.walked_to);
+        }
         Ok(Promoted {
             promoted: usize::try_from(r.promoted).unwrap_or(0),
             next_due: r

@@ -12,6 +12,7 @@ use diesel::QueryableByName;
 use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Nullable, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 
+use super::upkeep::{NOW, Now, Walk};
 use super::{ClaimedMessage, Lease, Store, fenced, split};
 use crate::error::Result;
 use crate::message::MessageId;
@@ -372,13 +373,15 @@ RETURNING m.id
 "#;
 
 /// Expired leases: back to pending with backoff (the attempt counts: the holder died or hung), or
-/// to the dead letters when that was the last attempt. $1: batch limit.
-const RESCUE: &str = concat!(
+/// to the dead letters when that was the last attempt. $1: batch limit; $2–$4: the backoff; $5:
+/// where the walk starts (seconds since the epoch; NULL: the front, see `upkeep`).
+pub(super) const RESCUE: &str = concat!(
     r#"
 WITH expired AS (
     SELECT id, attempts >= max_attempts OR cancelled AS ends FROM postbox.messages
     -- (Not a head kept for a writer of its key: delivered, postbox.finish_heads takes it out.)
-    WHERE state = 'running' AND locked_until < now() AND lease_token <> 0
+    WHERE state = 'running' AND locked_until >= coalesce(to_timestamp($5), '-infinity'::timestamptz)
+      AND locked_until < now() AND lease_token <> 0
     ORDER BY locked_until
     LIMIT $1
     FOR NO KEY UPDATE SKIP LOCKED
@@ -447,6 +450,11 @@ pub(crate) fn storable(text: &str) -> std::borrow::Cow<'_, str> {
     }
     std::borrow::Cow::Owned(out)
 }
+
+/// The rescue's planner settings: only `messages_running_idx` gives its order without a sort (an
+/// ANALYZE under a pinned horizon that saw no live running row made the planner take another
+/// index of running rows and filter, reading every entry the pin kept).
+pub(super) const RESCUE_PLAN: &str = "SET LOCAL enable_sort = off; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off";
 
 /// Rows `rescue_expired` handles per statement.
 pub const RESCUE_BATCH: i64 = 1_000;
@@ -658,22 +666,30 @@ impl Store {
     /// call; safe to run on every replica at once (SKIP LOCKED).
     pub async fn rescue_expired(&self) -> Result<RetryReport> {
         let b = self.backoff;
+        let pass = self.upkeep.pass(Walk::Rescue);
         let mut conn = self.conn().await?;
-        let rows: Vec<IdDeadRow> = conn
+        let (rows, walked_to) = conn
             .transaction(async |conn| {
+                conn.batch_execute(RESCUE_PLAN).await?;
                 let rows: Vec<IdDeadRow> = diesel::sql_query(RESCUE)
                     .bind::<BigInt, _>(RESCUE_BATCH)
                     .bind::<Double, _>(b.base.as_secs_f64())
                     .bind::<Double, _>(b.cap.as_secs_f64())
                     .bind::<Double, _>(b.jitter)
+                    .bind::<Nullable<Double>, _>(pass.from)
                     .load(conn)
                     .await?;
                 if rows.iter().any(|r| !r.dead) {
                     conn.batch_execute("SELECT postbox.wake()").await?;
                 }
-                Ok::<_, diesel::result::Error>(rows)
+                // The statement's now(): the transaction's.
+                let at: Now = diesel::sql_query(NOW).get_result(conn).await?;
+                Ok::<_, diesel::result::Error>((rows, at.now))
             })
             .await?;
+        if (rows.len() as i64) < RESCUE_BATCH {
+            self.upkeep.ended(pass, walked_to);
+        }
         self.note_kept(rows.iter().filter(|r| r.kept).count() as i64);
         Ok(retry_report(
             &[],

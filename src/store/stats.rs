@@ -199,7 +199,8 @@ const STALLED_PER_TOPIC: &str = "SELECT topic, count(*) AS n FROM postbox.messag
 #[derive(Debug, Clone, PartialEq, QueryableByName, serde::Serialize, serde::Deserialize)]
 pub struct SampleRow {
     /// depth, oldest_available, dead, stalled, dead_tuples, live_tuples, oldest_transaction,
-    /// horizon (the oldest transaction's holder), slot_xmin
+    /// horizon (the oldest transaction's holder), slot_xmin, sample_seconds (what computing the
+    /// sample took)
     #[diesel(sql_type = Text)]
     pub metric: String,
     /// Topic or table.
@@ -253,15 +254,17 @@ const SCHEMA_READY: &str = "SELECT to_regclass('postbox.messages') IS NOT NULL
     AND to_regclass('postbox.listeners') IS NOT NULL
     AND to_regclass('postbox.samples') IS NOT NULL
     AND to_regprocedure('postbox.claim(integer, double precision, boolean, text[], text[], text[], text[], bigint, text)') IS NOT NULL
-    AND to_regprocedure('postbox.promote_due(integer)') IS NOT NULL
+    AND to_regprocedure('postbox.promote_due(integer, timestamptz)') IS NOT NULL
     AND to_regprocedure('postbox.hand_over(text[], text[], bigint[], integer, double precision, bigint, text)') IS NOT NULL
     AND to_regprocedure('postbox.lost_holds()') IS NOT NULL
     AND to_regprocedure('postbox.kept_head_lease()') IS NOT NULL
     AND to_regclass('postbox.turns') IS NOT NULL
-    AND to_regprocedure('postbox.finish_heads(integer)') IS NOT NULL
+    AND to_regprocedure('postbox.finish_heads(integer, timestamptz)') IS NOT NULL
     AND to_regclass('postbox.pauses') IS NOT NULL
     AND to_regclass('postbox.schedules') IS NOT NULL
     AND to_regclass('postbox.completed') IS NOT NULL
+    AND to_regprocedure('postbox.take_ready(text, integer, text)') IS NOT NULL
+    AND to_regprocedure('postbox.boot_start()') IS NOT NULL
     AND to_regprocedure('postbox.claim_limited(text, integer, boolean, boolean, text[], text[], integer, double precision, boolean, text[], text[], text[], text[], bigint, text)') IS NOT NULL
     AS ready";
 
@@ -367,7 +370,7 @@ async fn dead(conn: &mut Conn) -> Result<(Vec<TopicN>, bool)> {
 /// The whole depth picture, on one connection, with the claim index's planner settings.
 async fn stats_on(conn: &mut Conn) -> Result<Stats> {
     conn.transaction(async |conn| {
-        conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off")
+        conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off")
             .await?;
         let rows = live_estimate(conn, "postbox.messages").await?;
         let (mut topics, mut estimated) = match rows <= EXACT_LIMIT {
@@ -479,6 +482,7 @@ impl Store {
 }
 
 async fn compute_sample(conn: &mut Conn) -> Result<Vec<SampleRow>> {
+    let began = std::time::Instant::now();
     let stats = stats_on(conn).await?;
     let mut rows = Vec::new();
     for t in &stats.topics {
@@ -521,5 +525,12 @@ async fn compute_sample(conn: &mut Conn) -> Result<Vec<SampleRow>> {
     }));
     let figures: Vec<SampleRow> = diesel::sql_query(TABLE_FIGURES).load(conn).await?;
     rows.extend(figures);
+    // What it cost, for every relay's sampler to keep within its budget.
+    rows.push(SampleRow {
+        metric: "sample_seconds".into(),
+        label: String::new(),
+        state: String::new(),
+        value: began.elapsed().as_secs_f64(),
+    });
     Ok(rows)
 }

@@ -1,0 +1,2 @@
+DROP FUNCTION postbox.promote_due(integer, timestamptz);
+DROP FUNCTION postbox.finish_heads(integer, timestamptz);
