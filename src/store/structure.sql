@@ -562,14 +562,16 @@ BEGIN
         v_from := v_floors[i];
         IF cardinality(v_ended_all) > 0 THEN
             -- The rows of the pending transactions that ended, by their ids.
-            -- (One equality per id, so the index is entered at each: a condition "= ANY" on
-            -- its second column is planned as a filter over everything below.)
+            -- (One range per id, so the index is entered at each: a condition "= ANY" on
+            -- its second column is planned as a filter over everything below; and an equality
+            -- would make the index's order that of the id alone, which the primary key gives:
+            -- after an ANALYZE under a pin the plan took it and filtered every row of the table.)
             SELECT array_agg(c.id)
             INTO v_more
             FROM unnest(v_ended_all) AS e(x),
                  LATERAL (SELECT m.id FROM postbox.messages m
                           WHERE m.state = 'available' AND m.priority::integer = v_priority
-                            AND m.ready_xid = e.x AND m.ready_xid < v_from
+                            AND m.ready_xid >= e.x AND m.ready_xid <= e.x AND m.ready_xid < v_from
                             AND (p_topic IS NULL OR m.topic = p_topic)
                           ORDER BY m.priority::integer, m.ready_xid, m.id
                           LIMIT v_batch - v_got
@@ -626,7 +628,7 @@ BEGIN
             FROM unnest(v_ended_all) AS e(x),
                  LATERAL (SELECT m.ready_xid FROM postbox.messages m
                           WHERE m.state = 'available' AND m.priority::integer = v_priority
-                            AND m.ready_xid = e.x AND m.ready_xid < v_from
+                            AND m.ready_xid >= e.x AND m.ready_xid <= e.x AND m.ready_xid < v_from
                             AND (p_topic IS NULL OR m.topic = p_topic)
                           ORDER BY m.priority::integer, m.ready_xid, m.id
                           LIMIT 1) c;
@@ -857,7 +859,7 @@ BEGIN
     -- and those whose writers are done are reached.
     v_ids := ARRAY(
         SELECT id FROM postbox.messages
-        WHERE state = 'running' AND locked_until = postbox.kept_head_lease() AND lease_token = 0
+        WHERE state = 'running' AND locked_until >= postbox.kept_head_lease() AND lease_token = 0
         ORDER BY locked_until
         LIMIT p_limit
         FOR UPDATE SKIP LOCKED);
@@ -885,7 +887,7 @@ BEGIN
     END IF;
     SELECT count(*) INTO v_left FROM (
         (SELECT 1 FROM postbox.messages
-         WHERE state = 'running' AND locked_until = postbox.kept_head_lease() AND lease_token = 0
+         WHERE state = 'running' AND locked_until >= postbox.kept_head_lease() AND lease_token = 0
          ORDER BY locked_until
          LIMIT 10000)
         UNION ALL
@@ -1934,14 +1936,16 @@ BEGIN
         v_from := v_floors[i];
         IF cardinality(v_ended_all) > 0 THEN
             -- The rows of the pending transactions that ended, by their ids.
-            -- (One equality per id, so the index is entered at each: a condition "= ANY" on
-            -- its second column is planned as a filter over everything below.)
+            -- (One range per id, so the index is entered at each: a condition "= ANY" on
+            -- its second column is planned as a filter over everything below; and an equality
+            -- would make the index's order that of the id alone, which the primary key gives:
+            -- after an ANALYZE under a pin the plan took it and filtered every row of the table.)
             SELECT array_agg(c.id)
             INTO v_more
             FROM unnest(v_ended_all) AS e(x),
                  LATERAL (SELECT m.id FROM postbox.messages m
                           WHERE m.state = 'available' AND m.priority::integer = v_priority
-                            AND m.ready_xid = e.x AND m.ready_xid < v_from
+                            AND m.ready_xid >= e.x AND m.ready_xid <= e.x AND m.ready_xid < v_from
                             AND (p_topic IS NULL OR m.topic = p_topic)
                           ORDER BY m.priority::integer, m.ready_xid, m.id
                           LIMIT v_batch - v_got
@@ -1988,7 +1992,7 @@ BEGIN
             FROM unnest(v_ended_all) AS e(x),
                  LATERAL (SELECT m.ready_xid FROM postbox.messages m
                           WHERE m.state = 'available' AND m.priority::integer = v_priority
-                            AND m.ready_xid = e.x AND m.ready_xid < v_from
+                            AND m.ready_xid >= e.x AND m.ready_xid <= e.x AND m.ready_xid < v_from
                             AND (p_topic IS NULL OR m.topic = p_topic)
                           ORDER BY m.priority::integer, m.ready_xid, m.id
                           LIMIT 1) c;
