@@ -91,7 +91,9 @@ macro_rules! take_out_cte {
         first_error = NULL, last_error = NULL
     FROM ",
             $name,
-            "_pinned p WHERE m.id = p.id
+            "_pinned p WHERE m.id = ANY(ARRAY(SELECT id FROM ",
+            $name,
+            "_pinned)) AND m.id = p.id
     RETURNING m.id
 ),
 ",
@@ -194,7 +196,7 @@ pub use self::{
     },
     stream::{StreamSetup, StreamSlot, check_slot_name, stream_session_alive},
     stream_guard::SlotRecord,
-    upkeep::{DEFAULT_UPKEEP_SWEEP, UPKEEP_MARGIN},
+    upkeep::{DEFAULT_UPKEEP_SWEEP, UPKEEP_MARGIN, UPKEEP_SWEEP_BUDGET},
 };
 
 #[cfg(feature = "cron")]
@@ -371,12 +373,13 @@ mod pool {
         }
 
         /// Walks the whole of the upkeep's indexes (expired leases, kept heads, due scheduled
-        /// messages) every `every` ([`DEFAULT_UPKEEP_SWEEP`]); in between, each walk starts
-        /// [`UPKEEP_MARGIN`] before where its previous pass ended, so that a pinned xmin horizon
+        /// messages) every `every` ([`DEFAULT_UPKEEP_SWEEP`](crate::store::DEFAULT_UPKEEP_SWEEP)); in between, each walk starts
+        /// [`UPKEEP_MARGIN`](crate::store::UPKEEP_MARGIN) before where its previous pass ended, so that a pinned xmin horizon
         /// does not make every pass step over what went through that state since the pin. A row
         /// the window cannot see (made due by a transaction older than the margin that committed
-        /// after a pass) waits for the next whole walk. `Duration::ZERO`: every pass walks
-        /// everything.
+        /// after a pass) waits for the next whole walk. A whole walk that took long (a pin keeps
+        /// every entry) puts the next off to keep within [`UPKEEP_SWEEP_BUDGET`](crate::store::UPKEEP_SWEEP_BUDGET) of the time.
+        /// `Duration::ZERO`: every pass walks everything.
         pub fn with_upkeep_sweep(mut self, every: std::time::Duration) -> Self {
             self.upkeep = Arc::new(super::upkeep::Windows::new(every));
             self

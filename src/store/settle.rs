@@ -418,7 +418,7 @@ back AS (
     backoff_sql!("$2", "$3", "$4"),
     r#")
     FROM expired e
-    WHERE m.id = e.id AND NOT e.ends
+    WHERE m.id = ANY(ARRAY(SELECT id FROM expired)) AND m.id = e.id AND NOT e.ends
     RETURNING m.id
 )
 SELECT id, false AS dead, false AS kept FROM back
