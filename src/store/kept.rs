@@ -18,7 +18,7 @@ use diesel::sql_types::{Double, Integer, Nullable};
 use diesel_async::RunQueryDsl;
 
 use super::Store;
-use super::upkeep::Walk;
+use super::upkeep::{Pass, Walk};
 use crate::error::Result;
 
 /// Kept heads finished per statement.
@@ -81,8 +81,11 @@ impl Store {
     /// (up to [`FINISH_BATCH`]); safe on every relay at once. Heads a writer still pins are
     /// skipped, never waited for.
     pub async fn finish_heads(&self) -> Result<Finished> {
+        self.finish_heads_in(self.upkeep.pass(Walk::Finish)).await
+    }
+
+    async fn finish_heads_in(&self, pass: Pass) -> Result<Finished> {
         let seen = AtomicUsize::load(&self.kept.marks, Ordering::SeqCst);
-        let pass = self.upkeep.pass(Walk::Finish);
         let mut conn = self.conn().await?;
         let r: Row = diesel::sql_query(FINISH)
             .bind::<Integer, _>(FINISH_BATCH)
@@ -120,7 +123,11 @@ impl Store {
                 return Ok(Finished::default());
             }
         }
-        let f = self.finish_heads().await?;
+        // From the window only: the whole walk (which a pin makes long) is the upkeep's, not
+        // the claim's to wait for.
+        let f = self
+            .finish_heads_in(self.upkeep.pass_in_window(Walk::Finish))
+            .await?;
         if f.still_kept > 0 {
             self.kept.times.lock().expect("not poisoned").1 = Some(now);
         }

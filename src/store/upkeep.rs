@@ -117,6 +117,18 @@ impl Windows {
         Pass { walk, from, began }
     }
 
+    /// The next pass of `walk` from its window, whenever the last whole walk was (the whole
+    /// index only while there is no window yet): for passes on the path of a claim, which leave
+    /// the whole walks to the upkeep's own passes.
+    pub(crate) fn pass_in_window(&self, walk: Walk) -> Pass {
+        let w = self.of(walk).lock().expect("not poisoned");
+        Pass {
+            walk,
+            from: w.from,
+            began: Instant::now(),
+        }
+    }
+
     /// `pass` walked everything it could see up to the server's `walked_to` (it did not stop at
     /// its batch limit): the next starts a margin before that.
     pub(crate) fn ended(&self, pass: Pass, walked_to: f64) {
@@ -218,6 +230,16 @@ mod tests {
         assert_eq!(w.pass(Walk::Rescue).from, Some(995.0));
         w.rescue.lock().unwrap().swept = Instant::now().checked_sub(Duration::from_secs(101));
         assert_eq!(w.pass(Walk::Rescue).from, None);
+    }
+
+    #[test]
+    fn a_pass_in_the_window_never_walks_the_whole_index_once_there_is_a_window() {
+        let w = Windows::new(Duration::ZERO);
+        assert_eq!(w.pass_in_window(Walk::Finish).from, None);
+        let p = w.pass(Walk::Finish);
+        w.ended(p, 1000.0);
+        assert_eq!(w.pass(Walk::Finish).from, None);
+        assert_eq!(w.pass_in_window(Walk::Finish).from, Some(995.0));
     }
 
     #[test]
