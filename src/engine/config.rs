@@ -35,7 +35,10 @@ pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(5);
 pub const DEFAULT_IDLE_LINGER: Duration = Duration::from_millis(50);
 /// Claim rate (messages/s, over the last ~100 ms) from which the engine lingers instead of
 /// waiting for NOTIFY; see [`EngineConfig::linger_above`].
-pub const DEFAULT_LINGER_ABOVE: f64 = 1000.0;
+pub const DEFAULT_LINGER_ABOVE: f64 = 500.0;
+/// A lingering engine goes on lingering while the claim rate stays above this fraction of
+/// [`EngineConfig::linger_above`] (hysteresis: see there).
+pub const LINGER_STAY_FRACTION: f64 = 0.5;
 /// Pause between claims while lingering.
 pub const LINGER_STEP: Duration = Duration::from_millis(1);
 /// How long shutdown waits for running deliveries before handing them back.
@@ -81,8 +84,11 @@ pub struct EngineConfig {
     /// messages a second it registers as a waiting listener and is woken by NOTIFY (about 1 ms
     /// from commit to handler here). At or above that rate, a notifying commit would cost every
     /// writer (notifying commits are serialised), so the engine does not register: it polls every
-    /// millisecond until no work has come for `idle_linger`, then registers again. Writers thus
-    /// never NOTIFY under load. Zero disables lingering (always NOTIFY).
+    /// millisecond until no work has come for `idle_linger`, then registers again; once
+    /// lingering, it goes on while the rate stays above half of `linger_above` (writers that
+    /// notify are held back by it, and may not reach the threshold again while the engine waits
+    /// for their NOTIFYs). Writers thus never NOTIFY under load. Zero disables lingering (always
+    /// NOTIFY).
     pub idle_linger: Duration,
     /// The claim rate (messages/s) from which the engine lingers; see `idle_linger`.
     pub linger_above: f64,

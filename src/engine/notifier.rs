@@ -41,6 +41,9 @@ enum Command {
     Arm(oneshot::Sender<bool>),
     /// Unregister (work found without a notification).
     Disarm,
+    /// Unregister now: the engine polls (a fast flow), so a NOTIFY only costs the writers. At
+    /// most one registration ends this way per [`DISARM_AFTER_BUSY`].
+    Linger,
 }
 
 /// Handle to the notifier task.
@@ -91,6 +94,11 @@ impl Notifier {
     /// sooner keeps the registration), without waiting.
     pub(crate) fn disarm(&self) {
         let _ = self.commands.try_send(Command::Disarm);
+    }
+
+    /// The engine has started polling (see [`Command::Linger`]), without waiting.
+    pub(crate) fn linger(&self) {
+        let _ = self.commands.try_send(Command::Linger);
     }
 }
 
@@ -150,6 +158,9 @@ async fn run(
         let mut check_in = WRITERS_FIRST_CHECK;
         // When to unregister, if the engine has not asked to wait again by then.
         let mut disarm_at: Option<tokio::time::Instant> = None;
+        // When the last registration ended (a lingering engine unregisters at once, but not more
+        // often than once per DISARM_AFTER_BUSY: each registration leaves a dead row).
+        let mut unregistered_at: Option<tokio::time::Instant> = None;
         loop {
             let event = {
                 let mut stream = std::pin::pin!(conn.notifications_stream());
@@ -180,6 +191,7 @@ async fn run(
                         disarm_at = None;
                         if armed {
                             armed = false;
+                            unregistered_at = Some(tokio::time::Instant::now());
                             store::unregister_listener(&mut conn).await
                         } else {
                             Ok(())
@@ -217,6 +229,13 @@ async fn run(
                         // Busy: unregistered if it stays so (see DISARM_AFTER_BUSY).
                         if armed && disarm_at.is_none() {
                             disarm_at = Some(tokio::time::Instant::now() + DISARM_AFTER_BUSY);
+                        }
+                        Ok(())
+                    }
+                    Event::Command(Some(Command::Linger)) => {
+                        if armed {
+                            let now = tokio::time::Instant::now();
+                            disarm_at = Some(lingering_disarm(now, unregistered_at, disarm_at));
                         }
                         Ok(())
                     }
@@ -268,10 +287,52 @@ async fn run(
     }
 }
 
+/// When a registration ends once the engine lingers (polls): at once, unless the previous one
+/// ended less than [`DISARM_AFTER_BUSY`] ago (each registration leaves a dead row, which a pinned
+/// xmin horizon keeps in front of every writer's look at the table); never later than an
+/// unregistration already planned.
+fn lingering_disarm(
+    now: tokio::time::Instant,
+    unregistered_at: Option<tokio::time::Instant>,
+    planned: Option<tokio::time::Instant>,
+) -> tokio::time::Instant {
+    let soonest = unregistered_at.map_or(now, |t| (t + DISARM_AFTER_BUSY).max(now));
+    planned.map_or(soonest, |d| d.min(soonest))
+}
+
 async fn connect(url: &str) -> crate::Result<AsyncPgConnection> {
     let mut conn = store::connect::establish(url).await?;
     // A backend that died while registered left its row; register_listener also cleans those.
     store::unregister_listener(&mut conn).await?;
     store::listen(&mut conn).await?;
     Ok(conn)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::Instant;
+
+    #[test]
+    fn a_lingering_engine_unregisters_at_once_but_not_more_than_once_a_second() {
+        let now = Instant::now();
+        let ms = Duration::from_millis;
+        // Never unregistered, or long ago: now.
+        assert_eq!(lingering_disarm(now, None, None), now);
+        assert_eq!(
+            lingering_disarm(now + ms(5000), Some(now), None),
+            now + ms(5000)
+        );
+        // Unregistered 200 ms ago: a second after that.
+        assert_eq!(
+            lingering_disarm(now + ms(200), Some(now), None),
+            now + DISARM_AFTER_BUSY
+        );
+        // An unregistration already planned sooner stays.
+        assert_eq!(
+            lingering_disarm(now + ms(200), Some(now), Some(now + ms(300))),
+            now + ms(300)
+        );
+        assert_eq!(lingering_disarm(now, None, Some(now + ms(900))), now);
+    }
 }

@@ -13,7 +13,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::completer::{HandOver, Settle, SettleKind};
-use super::config::{EngineConfig, HOLD_SLOT_WAIT, LINGER_STEP, MAX_HOLDS};
+use super::config::{EngineConfig, HOLD_SLOT_WAIT, LINGER_STAY_FRACTION, LINGER_STEP, MAX_HOLDS};
 use super::notifier::Notifier;
 use super::observer::Observer;
 use crate::sink::{Outcome, Sink, Unavailable};
@@ -254,6 +254,17 @@ impl SinkHealth {
     }
 }
 
+/// Whether an engine that found work at `rate` messages a second polls on (lingers) rather than
+/// waiting for a NOTIFY: from `linger_above`, and once `lingering`, down to a fraction of it.
+fn lingers(rate: f64, lingering: bool, linger_above: f64) -> bool {
+    let floor = if lingering {
+        linger_above * LINGER_STAY_FRACTION
+    } else {
+        linger_above
+    };
+    rate >= floor
+}
+
 /// Messages claimed per second, engine-wide, as an exponentially weighted count over ~100 ms.
 pub(crate) struct ClaimRate {
     state: Mutex<(f64, Instant)>,
@@ -419,8 +430,15 @@ impl Producer {
                     self.wake.notify_waiters();
                     continue;
                 }
-                // A fast flow: poll rather than make writers NOTIFY.
-                if self.rate.per_second() >= self.config.linger_above {
+                // A fast flow: poll rather than make writers NOTIFY. Once lingering, it goes on
+                // down to a fraction of the threshold: notifying commits are serialised, so the
+                // writers of a flow that the engine waits for by NOTIFY may be held below the
+                // threshold by that alone, and would never bring the engine back to polling.
+                let lingering = linger_until.is_some();
+                if lingers(self.rate.per_second(), lingering, self.config.linger_above) {
+                    if !lingering && let Some(n) = &self.notifier {
+                        n.linger();
+                    }
                     linger_until = Some(Instant::now() + self.config.idle_linger);
                 }
             }
@@ -898,5 +916,18 @@ mod tests {
         f.leases.lock().unwrap().insert((7, 2), new);
         f.remove(old);
         assert_eq!(f.leases(), vec![new]);
+    }
+
+    #[test]
+    fn lingering_starts_at_the_threshold_and_goes_on_down_to_half_of_it() {
+        // Waiting for NOTIFYs: polling starts at the threshold only.
+        assert!(!lingers(499.0, false, 500.0));
+        assert!(lingers(500.0, false, 500.0));
+        // Polling: a flow held back to 300/s (by the NOTIFYs of the time before) keeps it.
+        assert!(lingers(300.0, true, 500.0));
+        assert!(lingers(250.0, true, 500.0));
+        assert!(!lingers(249.0, true, 500.0));
+        // Zero: always polls under any flow.
+        assert!(lingers(0.0, false, 0.0));
     }
 }
