@@ -8,8 +8,8 @@
 //!   runs with `wal_level = logical` (they are skipped otherwise);
 //!
 //! alternating, two rounds of 4 s, with `synchronous_commit` on and off; then (b) while the
-//! engine drains the table, against (d) while a raw SQL drainer (`DELETE … FOR UPDATE SKIP
-//! LOCKED`, batches of 100) empties the floor table.
+//! engine drains the table, against (d) while a raw SQL drainer (a held-lock cycle of up to 100
+//! rows, as the engine's default batch; see `raw_drainer`) empties the floor table.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -126,22 +126,40 @@ fn setup(url: &str) {
         .unwrap();
 }
 
-/// Deletes what the floor's writers insert, 100 rows a transaction, until `stop`.
+/// Drains what the floor's writers insert as the engine drains the queue with its defaults: a
+/// held-lock cycle (lock up to 100 rows `FOR UPDATE SKIP LOCKED`, "deliver", delete them, commit)
+/// with `synchronous_commit = off` (as the store's sessions), and 1 ms between empty looks (as a
+/// lingering engine). Until `stop`; returns the rows deleted.
 fn raw_drainer(url: &str, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<u64> {
     let url = url.to_owned();
     std::thread::spawn(move || {
+        #[derive(diesel::QueryableByName)]
+        struct Id {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            id: i64,
+        }
         let mut conn = PgConnection::establish(&url).unwrap();
+        conn.batch_execute("SET synchronous_commit = off").unwrap();
         let mut n = 0;
         while !stop.load(Ordering::Relaxed) {
-            let k = diesel::sql_query(
-                "DELETE FROM bench_floor WHERE id IN
-                   (SELECT id FROM bench_floor ORDER BY id FOR UPDATE SKIP LOCKED LIMIT 100)",
-            )
-            .execute(&mut conn)
-            .unwrap();
+            let k = conn
+                .transaction(|c| {
+                    let ids: Vec<Id> = diesel::sql_query(
+                        "SELECT id FROM bench_floor ORDER BY id FOR UPDATE SKIP LOCKED LIMIT 100",
+                    )
+                    .load(c)?;
+                    let ids: Vec<i64> = ids.into_iter().map(|r| r.id).collect();
+                    if !ids.is_empty() {
+                        diesel::sql_query("DELETE FROM bench_floor WHERE id = ANY($1)")
+                            .bind::<diesel::sql_types::Array<diesel::sql_types::BigInt>, _>(&ids)
+                            .execute(c)?;
+                    }
+                    Ok::<_, diesel::result::Error>(ids.len())
+                })
+                .unwrap();
             n += k as u64;
             if k == 0 {
-                std::thread::sleep(Duration::from_millis(5));
+                std::thread::sleep(Duration::from_millis(1));
             }
         }
         n

@@ -50,7 +50,10 @@ macro_rules! take_out_cte {
     WHERE m.id = ANY(ARRAY(SELECT id FROM ",
             $name,
             "_input)) AND (i.token IS NULL OR m.lease_token = i.token)
-      AND m.ordered AND m.state <> 'waiting'
+      -- state as text: a condition that matched messages_heads_idx's predicate let the planner
+      -- walk that index whole for the ids (its third column) - under a pinned horizon, every
+      -- settled head's entry (120,559 buffers for 100 heads in tests/backlog.rs).
+      AND m.ordered AND m.state::text <> 'waiting'
     FOR UPDATE OF m SKIP LOCKED
 ),
 ",
@@ -77,7 +80,7 @@ macro_rules! take_out_cte {
     WHERE m.id = ANY(ARRAY(SELECT id FROM ",
             $name,
             "_input)) AND (i.token IS NULL OR m.lease_token = i.token)
-      AND m.ordered AND m.state <> 'waiting' AND m.id NOT IN (SELECT id FROM ",
+      AND m.ordered AND m.state::text <> 'waiting' AND m.id NOT IN (SELECT id FROM ",
             $name,
             "_free)
     FOR NO KEY UPDATE OF m
