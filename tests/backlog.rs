@@ -810,7 +810,7 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
     let mut migrations = postbox::Migrations::new(&mut conn);
     migrations
         .revert_last_migration(postbox::MIGRATIONS)
-        .unwrap(); // promote by id
+        .unwrap(); // look-ups, limits and wake-ups
     migrations
         .revert_last_migration(postbox::MIGRATIONS)
         .unwrap(); // upkeep windows

@@ -322,3 +322,43 @@ async fn limited_claims_walk_only_what_they_can_take() {
         "every key at its limit"
     );
 }
+
+/// A per-key limit over a glob, with nothing of its topics running yet: what a claim takes from
+/// a topic's front counts before its key walk and before the next topic (a key's messages were
+/// counted only among topics that had something running when the claim began, so a claim could
+/// take a key past its limit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_per_key_limit_counts_what_the_same_claim_took() {
+    let db = TestDb::migrated();
+    let store = db.store().await;
+    let limit = Limit::new(["lim.*"], 1).unwrap().per_key(true);
+    // The front of lim.a is 12 messages of key a; the key walk then finds b, c and d.
+    db.exec(
+        "INSERT INTO postbox.messages (topic, key) SELECT 'lim.a', 'a' FROM generate_series(1, 12);
+         INSERT INTO postbox.messages (topic, key) VALUES
+             ('lim.a', 'b'), ('lim.a', 'b'), ('lim.a', 'c'), ('lim.a', 'c'), ('lim.a', 'd'), ('lim.a', 'd')",
+    );
+    let got = store
+        .claim_limited(&limit, 3, Duration::from_secs(30), &postbox::Topics::all())
+        .await
+        .unwrap();
+    let mut keys: Vec<String> = got.iter().map(|m| m.key.clone().unwrap()).collect();
+    keys.sort();
+    assert_eq!(keys, ["a", "b", "c"]);
+
+    // Two topics of the glob with the same key: one message of it in all.
+    db.exec(
+        "DELETE FROM postbox.messages;
+         INSERT INTO postbox.messages (topic, key) SELECT t, 'k' FROM unnest(ARRAY['lim.x', 'lim.y']) t, generate_series(1, 3)",
+    );
+    let got = store
+        .claim_limited(&limit, 10, Duration::from_secs(30), &postbox::Topics::all())
+        .await
+        .unwrap();
+    assert_eq!(
+        got.len(),
+        1,
+        "{:?}",
+        got.iter().map(|m| &m.topic).collect::<Vec<_>>()
+    );
+}

@@ -712,6 +712,62 @@ async fn inserts_notify_only_while_a_listener_waits() {
     assert_eq!(n.payload, "marker2");
 }
 
+/// A writer whose INSERT began before a relay registered (so its commit sends no NOTIFY) but has
+/// not built its first row yet is among the transactions the registration watches: the insert
+/// trigger gives it its transaction id before it looks for listeners. Held here on an advisory
+/// lock inside its `INSERT … SELECT`; without the id, it was in neither and its message waited
+/// for the poll interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_that_looked_before_a_registration_is_watched_by_it() {
+    use diesel::connection::SimpleConnection;
+    let db = TestDb::migrated();
+    let mut gate = db.conn();
+    gate.batch_execute("SELECT pg_advisory_lock(4242)").unwrap();
+    let url = db.url.clone();
+    let writer = std::thread::spawn(move || {
+        use diesel::Connection;
+        let mut c = diesel::PgConnection::establish(&url).unwrap();
+        c.batch_execute(
+            "SET application_name = 'held-writer';
+             BEGIN;
+             INSERT INTO postbox.messages (topic) SELECT 't' FROM (SELECT pg_advisory_xact_lock(4242)) g;
+             COMMIT;",
+        )
+        .unwrap();
+    });
+    let held = "SELECT count(*) AS v FROM pg_stat_activity
+                WHERE application_name = 'held-writer' AND wait_event_type = 'Lock'";
+    assert!(
+        common::eventually(Duration::from_secs(10), || async { db.scalar(held) == 1 }).await,
+        "the writer never waited on the gate"
+    );
+    let writer_xid = db.scalar(
+        "SELECT coalesce(backend_xid::text::bigint, 0) AS v FROM pg_stat_activity
+         WHERE application_name = 'held-writer'",
+    );
+    assert_ne!(
+        writer_xid, 0,
+        "the writer looked for listeners without a transaction id"
+    );
+    let mut listener = db.aconn().await;
+    postbox::store::listen(&mut listener).await.unwrap();
+    let watched = postbox::store::register_listener(&mut listener)
+        .await
+        .unwrap();
+    assert!(
+        watched.contains(&writer_xid),
+        "{writer_xid} not in {watched:?}"
+    );
+    gate.batch_execute("SELECT pg_advisory_unlock(4242)")
+        .unwrap();
+    writer.join().unwrap();
+    let left = postbox::store::still_running(&mut listener, &watched)
+        .await
+        .unwrap();
+    assert!(!left.contains(&writer_xid), "its end is seen: {left:?}");
+    assert_eq!(db.scalar("SELECT count(*) AS v FROM postbox.messages"), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_plan_walks_the_claim_index_even_with_stale_statistics() {
     let db = TestDb::migrated();

@@ -390,19 +390,30 @@ BEGIN
         RETURNING m.*;
         GET DIAGNOSTICS v_n = ROW_COUNT;
         v_got := v_got + v_n;
+        IF v_n > 0 THEN
+            -- What it took now runs: counted before the next pick (this topic's key walk, or the
+            -- next topic's front). Its topic is limited even if nothing of it ran before.
+            IF NOT v_topic = ANY(v_limited) THEN
+                v_limited := v_limited || v_topic;
+            END IF;
+            SELECT array_agg(r.key) FILTER (WHERE r.key IS NOT NULL),
+                   array_agg(r.n) FILTER (WHERE r.key IS NOT NULL),
+                   coalesce(max(r.n) FILTER (WHERE r.key IS NULL), 0)
+            INTO v_keys, v_counts, v_null_count
+            FROM (SELECT t.key, sum(t.n)::integer AS n
+                  FROM (SELECT m.topic, m.key, count(*) AS n FROM postbox.messages m
+                        WHERE m.state = 'running' AND m.topic = ANY(v_limited) AND m.lease_token <> 0
+                        GROUP BY m.topic, m.key) t
+                  GROUP BY t.key) r;
+            v_keys := coalesce(v_keys, '{}');
+            v_counts := coalesce(v_counts, '{}');
+        END IF;
         -- The front was all there is: nothing else of the topic is claimable.
         CONTINUE WHEN v_got >= p_batch OR v_walked < v_wanted * 4;
         -- Short of the batch: the front is held by keys at their limit. Key by key, in key order
         -- (one descent per key: a key at its limit is passed in one step), the first messages of
-        -- each key as many as its room, until the batch is full. What the front took now runs.
-        SELECT array_agg(r.key), array_agg(r.n) INTO v_keys, v_counts
-        FROM (SELECT t.key, sum(t.n)::integer AS n
-              FROM (SELECT m.topic, m.key, count(*) AS n FROM postbox.messages m
-                    WHERE m.state = 'running' AND m.topic = ANY(v_limited) AND m.lease_token <> 0 AND m.key IS NOT NULL
-                    GROUP BY m.topic, m.key) t
-              GROUP BY t.key) r;
-        v_keys := coalesce(v_keys, '{}');
-        v_counts := coalesce(v_counts, '{}');
+        -- each key as many as its room, until the batch is full (the counts include what the
+        -- front took).
         v_wanted := p_batch - v_got;
         RETURN QUERY
         WITH RECURSIVE ks(key, room, before) AS (
@@ -445,6 +456,24 @@ BEGIN
         RETURNING m.*;
         GET DIAGNOSTICS v_n = ROW_COUNT;
         v_got := v_got + v_n;
+        IF v_n > 0 THEN
+            -- What it took now runs: counted before the next pick (this topic's key walk, or the
+            -- next topic's front). Its topic is limited even if nothing of it ran before.
+            IF NOT v_topic = ANY(v_limited) THEN
+                v_limited := v_limited || v_topic;
+            END IF;
+            SELECT array_agg(r.key) FILTER (WHERE r.key IS NOT NULL),
+                   array_agg(r.n) FILTER (WHERE r.key IS NOT NULL),
+                   coalesce(max(r.n) FILTER (WHERE r.key IS NULL), 0)
+            INTO v_keys, v_counts, v_null_count
+            FROM (SELECT t.key, sum(t.n)::integer AS n
+                  FROM (SELECT m.topic, m.key, count(*) AS n FROM postbox.messages m
+                        WHERE m.state = 'running' AND m.topic = ANY(v_limited) AND m.lease_token <> 0
+                        GROUP BY m.topic, m.key) t
+                  GROUP BY t.key) r;
+            v_keys := coalesce(v_keys, '{}');
+            v_counts := coalesce(v_counts, '{}');
+        END IF;
     END LOOP;
 END
 $$;
@@ -1168,6 +1197,11 @@ CREATE FUNCTION postbox.messages_inserted() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 BEGIN
+    -- The transaction takes its id before it looks for listeners: a relay that registers after
+    -- this look (and so gets no NOTIFY) finds it among the transactions in progress, watches it,
+    -- and claims again when it ends. Without the id yet (an INSERT … SELECT whose first row comes
+    -- later), it was in neither, and its messages waited for the poll interval.
+    PERFORM pg_current_xact_id();
     IF EXISTS (SELECT 1 FROM postbox.listeners) THEN
         PERFORM pg_notify('postbox', '');
     END IF;

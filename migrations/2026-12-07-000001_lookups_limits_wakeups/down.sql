@@ -1,9 +1,4 @@
--- Updates that join postbox.messages to a CTE of ids name the ids as an array too, so the plan
--- looks them up in the primary key. Joined to the CTE alone, the promotion of ordered keys (every
--- settle of an ordered head calls it) was planned, on statistics an ANALYZE took while a pinned
--- xmin horizon kept every settled row, as a walk of the whole primary key: 39,633 buffers for a
--- promotion of nothing after 20,000 settled heads. The limited claim's two updates had the same
--- shape.
+-- The functions as the migrations head_pins, turns and least_privilege left them.
 
 CREATE OR REPLACE FUNCTION postbox.promote_keys(p_topics text[], p_keys text[], p_removed bigint[], p_exclusive boolean, p_limit integer, p_lease_secs double precision, p_token bigint, p_owner text)
  RETURNS SETOF postbox.messages
@@ -94,10 +89,7 @@ BEGIN
                 FROM ranked r
                 -- By primary key: with `state = 'waiting'` the planner may read all of
                 -- messages_waiting_idx instead, on a table it has no statistics for yet.
-                -- And by the ids' array: joined to the CTE alone, the update was planned (on
-                -- statistics taken under a pinned horizon) as a walk of the whole primary key
-                -- for its rows, 39,633 buffers for none (tests/backlog.rs).
-                WHERE m.id = ANY(ARRAY(SELECT id FROM ranked)) AND m.id = r.id AND m.state::text = 'waiting'
+                WHERE m.id = r.id AND m.state::text = 'waiting'
                 RETURNING m AS message, r.id, r.take
             )
             SELECT n.topic, n.key, n.removed, mv.message, mv.take, mv.id IS NOT NULL AS moved
@@ -252,8 +244,7 @@ BEGIN
             lease_token = p_token,
             locked_by = p_owner
         FROM locked
-        -- By the ids' array too (see postbox.promote_keys).
-        WHERE m.id = ANY(ARRAY(SELECT id FROM locked)) AND m.id = locked.id
+        WHERE m.id = locked.id
         RETURNING m.*;
         GET DIAGNOSTICS v_n = ROW_COUNT;
         v_got := v_got + v_n;
@@ -307,12 +298,24 @@ BEGIN
             lease_token = p_token,
             locked_by = p_owner
         FROM picked
-        -- By the ids' array too (see postbox.promote_keys).
-        WHERE m.id = ANY(ARRAY(SELECT id FROM picked)) AND m.id = picked.id
+        WHERE m.id = picked.id
         RETURNING m.*;
         GET DIAGNOSTICS v_n = ROW_COUNT;
         v_got := v_got + v_n;
     END LOOP;
+END
+$function$
+;
+
+CREATE OR REPLACE FUNCTION postbox.messages_inserted()
+ RETURNS trigger
+ LANGUAGE plpgsql
+AS $function$
+BEGIN
+    IF EXISTS (SELECT 1 FROM postbox.listeners) THEN
+        PERFORM pg_notify('postbox', '');
+    END IF;
+    RETURN NULL;
 END
 $function$
 ;

@@ -1,4 +1,16 @@
--- The functions as the migrations head_pins and turns left them.
+-- Fixes found by a review of the settle and claim functions under a pinned xmin horizon.
+--
+-- 1. Updates that join postbox.messages to a CTE of ids name the ids as an array too, so the plan
+--    looks them up in the primary key. Joined to the CTE alone, the promotion of ordered keys
+--    (every settle of an ordered head calls it) was planned, on statistics an ANALYZE took while a
+--    pinned horizon kept every settled row, as a walk of the whole primary key: 39,633 buffers
+--    for a promotion of nothing after 20,000 settled heads. The limited claim's two updates had
+--    the same shape.
+-- 2. A per-key limited claim counts what it took before its next pick: with an every-topic or
+--    glob limit and nothing of the topic running yet, its key walk (and the next topic's front)
+--    counted nothing it had just taken, and took a key past its limit in one claim.
+-- 3. The insert trigger that wakes waiting relays gives the writer's transaction its id first
+--    (see postbox.messages_inserted).
 
 CREATE OR REPLACE FUNCTION postbox.promote_keys(p_topics text[], p_keys text[], p_removed bigint[], p_exclusive boolean, p_limit integer, p_lease_secs double precision, p_token bigint, p_owner text)
  RETURNS SETOF postbox.messages
@@ -89,7 +101,10 @@ BEGIN
                 FROM ranked r
                 -- By primary key: with `state = 'waiting'` the planner may read all of
                 -- messages_waiting_idx instead, on a table it has no statistics for yet.
-                WHERE m.id = r.id AND m.state::text = 'waiting'
+                -- And by the ids' array: joined to the CTE alone, the update was planned (on
+                -- statistics taken under a pinned horizon) as a walk of the whole primary key
+                -- for its rows, 39,633 buffers for none (tests/backlog.rs).
+                WHERE m.id = ANY(ARRAY(SELECT id FROM ranked)) AND m.id = r.id AND m.state::text = 'waiting'
                 RETURNING m AS message, r.id, r.take
             )
             SELECT n.topic, n.key, n.removed, mv.message, mv.take, mv.id IS NOT NULL AS moved
@@ -244,23 +259,35 @@ BEGIN
             lease_token = p_token,
             locked_by = p_owner
         FROM locked
-        WHERE m.id = locked.id
+        -- By the ids' array too (see postbox.promote_keys).
+        WHERE m.id = ANY(ARRAY(SELECT id FROM locked)) AND m.id = locked.id
         RETURNING m.*;
         GET DIAGNOSTICS v_n = ROW_COUNT;
         v_got := v_got + v_n;
+        IF v_n > 0 THEN
+            -- What it took now runs: counted before the next pick (this topic's key walk, or the
+            -- next topic's front). Its topic is limited even if nothing of it ran before.
+            IF NOT v_topic = ANY(v_limited) THEN
+                v_limited := v_limited || v_topic;
+            END IF;
+            SELECT array_agg(r.key) FILTER (WHERE r.key IS NOT NULL),
+                   array_agg(r.n) FILTER (WHERE r.key IS NOT NULL),
+                   coalesce(max(r.n) FILTER (WHERE r.key IS NULL), 0)
+            INTO v_keys, v_counts, v_null_count
+            FROM (SELECT t.key, sum(t.n)::integer AS n
+                  FROM (SELECT m.topic, m.key, count(*) AS n FROM postbox.messages m
+                        WHERE m.state = 'running' AND m.topic = ANY(v_limited) AND m.lease_token <> 0
+                        GROUP BY m.topic, m.key) t
+                  GROUP BY t.key) r;
+            v_keys := coalesce(v_keys, '{}');
+            v_counts := coalesce(v_counts, '{}');
+        END IF;
         -- The front was all there is: nothing else of the topic is claimable.
         CONTINUE WHEN v_got >= p_batch OR v_walked < v_wanted * 4;
         -- Short of the batch: the front is held by keys at their limit. Key by key, in key order
         -- (one descent per key: a key at its limit is passed in one step), the first messages of
-        -- each key as many as its room, until the batch is full. What the front took now runs.
-        SELECT array_agg(r.key), array_agg(r.n) INTO v_keys, v_counts
-        FROM (SELECT t.key, sum(t.n)::integer AS n
-              FROM (SELECT m.topic, m.key, count(*) AS n FROM postbox.messages m
-                    WHERE m.state = 'running' AND m.topic = ANY(v_limited) AND m.lease_token <> 0 AND m.key IS NOT NULL
-                    GROUP BY m.topic, m.key) t
-              GROUP BY t.key) r;
-        v_keys := coalesce(v_keys, '{}');
-        v_counts := coalesce(v_counts, '{}');
+        -- each key as many as its room, until the batch is full (the counts include what the
+        -- front took).
         v_wanted := p_batch - v_got;
         RETURN QUERY
         WITH RECURSIVE ks(key, room, before) AS (
@@ -298,11 +325,48 @@ BEGIN
             lease_token = p_token,
             locked_by = p_owner
         FROM picked
-        WHERE m.id = picked.id
+        -- By the ids' array too (see postbox.promote_keys).
+        WHERE m.id = ANY(ARRAY(SELECT id FROM picked)) AND m.id = picked.id
         RETURNING m.*;
         GET DIAGNOSTICS v_n = ROW_COUNT;
         v_got := v_got + v_n;
+        IF v_n > 0 THEN
+            -- What it took now runs: counted before the next pick (this topic's key walk, or the
+            -- next topic's front). Its topic is limited even if nothing of it ran before.
+            IF NOT v_topic = ANY(v_limited) THEN
+                v_limited := v_limited || v_topic;
+            END IF;
+            SELECT array_agg(r.key) FILTER (WHERE r.key IS NOT NULL),
+                   array_agg(r.n) FILTER (WHERE r.key IS NOT NULL),
+                   coalesce(max(r.n) FILTER (WHERE r.key IS NULL), 0)
+            INTO v_keys, v_counts, v_null_count
+            FROM (SELECT t.key, sum(t.n)::integer AS n
+                  FROM (SELECT m.topic, m.key, count(*) AS n FROM postbox.messages m
+                        WHERE m.state = 'running' AND m.topic = ANY(v_limited) AND m.lease_token <> 0
+                        GROUP BY m.topic, m.key) t
+                  GROUP BY t.key) r;
+            v_keys := coalesce(v_keys, '{}');
+            v_counts := coalesce(v_counts, '{}');
+        END IF;
     END LOOP;
+END
+$function$
+;
+
+CREATE OR REPLACE FUNCTION postbox.messages_inserted()
+ RETURNS trigger
+ LANGUAGE plpgsql
+AS $function$
+BEGIN
+    -- The transaction takes its id before it looks for listeners: a relay that registers after
+    -- this look (and so gets no NOTIFY) finds it among the transactions in progress, watches it,
+    -- and claims again when it ends. Without the id yet (an INSERT … SELECT whose first row comes
+    -- later), it was in neither, and its messages waited for the poll interval.
+    PERFORM pg_current_xact_id();
+    IF EXISTS (SELECT 1 FROM postbox.listeners) THEN
+        PERFORM pg_notify('postbox', '');
+    END IF;
+    RETURN NULL;
 END
 $function$
 ;
