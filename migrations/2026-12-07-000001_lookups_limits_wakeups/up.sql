@@ -264,7 +264,7 @@ BEGIN
         RETURNING m.*;
         GET DIAGNOSTICS v_n = ROW_COUNT;
         v_got := v_got + v_n;
-        IF v_n > 0 THEN
+        IF v_n > 0 AND v_got < p_batch THEN
             -- What it took now runs: counted before the next pick (this topic's key walk, or the
             -- next topic's front). Its topic is limited even if nothing of it ran before.
             IF NOT v_topic = ANY(v_limited) THEN
@@ -330,7 +330,7 @@ BEGIN
         RETURNING m.*;
         GET DIAGNOSTICS v_n = ROW_COUNT;
         v_got := v_got + v_n;
-        IF v_n > 0 THEN
+        IF v_n > 0 AND v_got < p_batch THEN
             -- What it took now runs: counted before the next pick (this topic's key walk, or the
             -- next topic's front). Its topic is limited even if nothing of it ran before.
             IF NOT v_topic = ANY(v_limited) THEN
