@@ -255,8 +255,12 @@ impl SinkHealth {
 }
 
 /// Whether an engine that found work at `rate` messages a second polls on (lingers) rather than
-/// waiting for a NOTIFY: from `linger_above`, and once `lingering`, down to a fraction of it.
-fn lingers(rate: f64, lingering: bool, linger_above: f64) -> bool {
+/// waiting for a NOTIFY: from `linger_above`, and once `lingering`, down to a fraction of it;
+/// never when `idle_linger` is zero (lingering disabled: the engine stays registered).
+fn lingers(rate: f64, lingering: bool, linger_above: f64, idle_linger: Duration) -> bool {
+    if idle_linger.is_zero() {
+        return false;
+    }
     let floor = if lingering {
         linger_above * LINGER_STAY_FRACTION
     } else {
@@ -435,7 +439,12 @@ impl Producer {
                 // writers of a flow that the engine waits for by NOTIFY may be held below the
                 // threshold by that alone, and would never bring the engine back to polling.
                 let lingering = linger_until.is_some();
-                if lingers(self.rate.per_second(), lingering, self.config.linger_above) {
+                if lingers(
+                    self.rate.per_second(),
+                    lingering,
+                    self.config.linger_above,
+                    self.config.idle_linger,
+                ) {
                     if !lingering && let Some(n) = &self.notifier {
                         n.linger();
                     }
@@ -920,14 +929,18 @@ mod tests {
 
     #[test]
     fn lingering_starts_at_the_threshold_and_goes_on_down_to_half_of_it() {
+        const ON: Duration = Duration::from_millis(100);
         // Waiting for NOTIFYs: polling starts at the threshold only.
-        assert!(!lingers(499.0, false, 500.0));
-        assert!(lingers(500.0, false, 500.0));
+        assert!(!lingers(499.0, false, 500.0, ON));
+        assert!(lingers(500.0, false, 500.0, ON));
         // Polling: a flow held back to 300/s (by the NOTIFYs of the time before) keeps it.
-        assert!(lingers(300.0, true, 500.0));
-        assert!(lingers(250.0, true, 500.0));
-        assert!(!lingers(249.0, true, 500.0));
+        assert!(lingers(300.0, true, 500.0, ON));
+        assert!(lingers(250.0, true, 500.0, ON));
+        assert!(!lingers(249.0, true, 500.0, ON));
         // Zero: always polls under any flow.
-        assert!(lingers(0.0, false, 0.0));
+        assert!(lingers(0.0, false, 0.0, ON));
+        // A zero idle_linger disables lingering: the engine never unregisters, whatever the flow.
+        assert!(!lingers(10_000.0, false, 500.0, Duration::ZERO));
+        assert!(!lingers(10_000.0, true, 0.0, Duration::ZERO));
     }
 }
