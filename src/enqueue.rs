@@ -69,10 +69,12 @@ diesel::define_sql_function! {
     fn lock_keys(topics: diesel::sql_types::Array<diesel::sql_types::Text>, keys: diesel::sql_types::Array<diesel::sql_types::Text>) -> diesel::sql_types::BigInt;
 }
 
-/// The (topic, key) of every ordered message, for [`lock_keys`]; `None` when there are fewer
-/// than two distinct ones. One key needs no sorted order: the insert trigger takes its writer lock
-/// before it draws the id, and a separate `lock_keys` round trip cost an ordered enqueue about a
-/// fifth of the app's transaction rate (`bench --only write`).
+/// The (topic, key) of every ordered message, for [`lock_keys`]; `None` when they name one key
+/// and no dedup key comes before the first of them. One key needs no sorted order: the insert
+/// trigger takes its writer lock before it draws the id, and a separate `lock_keys` round trip
+/// cost an ordered enqueue about a fifth of the app's transaction rate (`bench --only write`).
+/// But a row with a dedup key inserted before that lock holds the dedup key while it waits for
+/// the key's writer, who may be about to insert the same dedup key: such a batch locks first.
 fn ordered_keys<'a>(rows: &[NewMessage<'a>]) -> Option<(Vec<&'a str>, Vec<&'a str>)> {
     let (topics, keys): (Vec<&str>, Vec<&str>) = rows
         .iter()
@@ -84,7 +86,11 @@ fn ordered_keys<'a>(rows: &[NewMessage<'a>]) -> Option<(Vec<&'a str>, Vec<&'a st
         .iter()
         .zip(&keys)
         .all(|(t, k)| Some((*t, *k)) == first);
-    (!one_key).then_some((topics, keys))
+    let dedup_before = rows
+        .iter()
+        .take_while(|r| !r.ordered)
+        .any(|r| r.dedup_key.is_some());
+    (!one_key || dedup_before && first.is_some()).then_some((topics, keys))
 }
 
 diesel::define_sql_function! {
@@ -361,5 +367,10 @@ mod tests {
         assert_eq!(keys(&[ordered("t", "a"), Message::new("t").key("b")]), None);
         assert_eq!(keys(&[ordered("t", "a"), ordered("t", "b")]), Some(2));
         assert_eq!(keys(&[ordered("t", "a"), ordered("u", "a")]), Some(2));
+        // A dedup key inserted before the key's lock would be held while waiting for it.
+        let dedup = || Message::new("u").dedup_key("d");
+        assert_eq!(keys(&[dedup(), ordered("t", "a")]), Some(1));
+        assert_eq!(keys(&[ordered("t", "a"), dedup()]), None);
+        assert_eq!(keys(&[dedup()]), None);
     }
 }

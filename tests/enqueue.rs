@@ -587,3 +587,65 @@ fn a_database_error_says_its_text_once() {
     assert_eq!(chain.matches("does not exist").count(), 1, "{chain}");
     assert!(chain.starts_with("database: "), "{chain}");
 }
+
+/// A batch of one ordered key whose unordered dedup row comes first must take the key's writer
+/// lock before it inserts anything: otherwise it holds its dedup key while it waits for the key,
+/// and a writer of that key that then enqueues the same dedup key waits for it — a deadlock the
+/// sorted `lock_keys` never had (found by a review with two psql sessions).
+#[test]
+fn a_dedup_row_before_a_single_ordered_key_takes_the_key_lock_first() {
+    let db = TestDb::migrated();
+    // The writer of the key: its ordered message holds the key's writer lock until it commits.
+    let mut holder = db.conn();
+    holder.batch_execute("BEGIN").unwrap();
+    let head = postbox::enqueue(&mut holder, &Message::new("acct").key("m").ordered())
+        .unwrap()
+        .id()
+        .unwrap();
+    // The batch: an unordered message with a dedup key, then one of the ordered key.
+    let url = db.url.clone();
+    let batch = std::thread::spawn(move || {
+        let mut c = diesel::PgConnection::establish(&url).unwrap();
+        c.transaction(|c| {
+            postbox::enqueue_many(
+                c,
+                &[
+                    Message::new("mail").dedup_key("y"),
+                    Message::new("acct").key("m").ordered(),
+                ],
+            )
+        })
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while db
+        .scalar("SELECT count(*) AS v FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")
+        == 0
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the batch never waited for the key"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The batch waits for the key and holds nothing the holder needs: its dedup key is free.
+    let mine = postbox::enqueue(&mut holder, &Message::new("mail").dedup_key("y"))
+        .expect("no deadlock: the batch holds no dedup key while it waits for the ordered key");
+    assert!(matches!(mine, Enqueued::New(_)), "{mine:?}");
+    holder.batch_execute("COMMIT").unwrap();
+    let got = batch
+        .join()
+        .unwrap()
+        .expect("the batch commits after the holder");
+    assert!(matches!(got[0], Enqueued::Duplicate { .. }), "{got:?}");
+    let behind = got[1].id().unwrap();
+    assert!(
+        head < behind,
+        "ids {head} and {behind} are not in commit order"
+    );
+    assert_eq!(
+        db.text(&format!(
+            "SELECT state::text AS v FROM postbox.messages WHERE id = {behind}"
+        )),
+        "waiting"
+    );
+}
