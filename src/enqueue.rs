@@ -76,21 +76,18 @@ diesel::define_sql_function! {
 /// But a row with a dedup key inserted before that lock holds the dedup key while it waits for
 /// the key's writer, who may be about to insert the same dedup key: such a batch locks first.
 fn ordered_keys<'a>(rows: &[NewMessage<'a>]) -> Option<(Vec<&'a str>, Vec<&'a str>)> {
-    let (topics, keys): (Vec<&str>, Vec<&str>) = rows
+    let pairs: Vec<(&str, &str)> = rows
         .iter()
         .filter(|r| r.ordered)
         .filter_map(|r| Some((r.topic, r.key?)))
-        .unzip();
-    let first = topics.first().copied().zip(keys.first().copied());
-    let one_key = topics
-        .iter()
-        .zip(&keys)
-        .all(|(t, k)| Some((*t, *k)) == first);
+        .collect();
+    let first = *pairs.first()?;
+    let one_key = pairs.iter().all(|p| *p == first);
     let dedup_before = rows
         .iter()
         .take_while(|r| !r.ordered)
         .any(|r| r.dedup_key.is_some());
-    (!one_key || dedup_before && first.is_some()).then_some((topics, keys))
+    (!one_key || dedup_before).then(|| pairs.into_iter().unzip())
 }
 
 diesel::define_sql_function! {
