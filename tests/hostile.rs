@@ -185,6 +185,43 @@ async fn a_silent_listen_connection_never_holds_the_claim_loop_and_is_replaced()
     assert_once_and_in_key_order(&seen.lock().unwrap(), 40);
 }
 
+/// An idle engine asks its notifier to wait on every turn (each `poll_interval`); while it is
+/// registered that asks nothing of the server. The notifier's health check must come all the
+/// same: it was a pause restarted by every command, so a connection gone silent under an idle
+/// engine polling more often than the check was never found out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_engine_finds_its_silent_listen_connection_out() {
+    let db = TestDb::migrated();
+    let proxy = FreezingProxy::start();
+    let engine = Engine::builder(proxy.url(&db))
+        .handlers(recording("t", Default::default()))
+        .poll_interval(Duration::from_millis(100))
+        .shutdown_deadline(Duration::from_secs(2))
+        .build()
+        .await
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(engine.run(shutdown.clone()));
+    // Registered as waiting: the listeners row is the notifier's.
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            db.scalar("SELECT count(*) AS v FROM postbox.listeners") == 1
+        })
+        .await
+    );
+    assert_eq!(proxy.freeze_listeners(), 1);
+    assert!(
+        eventually(Duration::from_secs(20), || async { proxy.listeners() >= 2 }).await,
+        "the notifier never replaced its silent connection"
+    );
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(15), task)
+        .await
+        .expect("shutdown hung")
+        .unwrap()
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_keeps_its_deadline_while_a_claim_waits_on_a_table_lock() {
     use diesel::connection::SimpleConnection;

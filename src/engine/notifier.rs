@@ -161,6 +161,11 @@ async fn run(
         // When the last registration ended (a lingering engine unregisters at once, but not more
         // often than once per DISARM_AFTER_BUSY: each registration leaves a dead row).
         let mut unregistered_at: Option<tokio::time::Instant> = None;
+        // When to check the connection next. A deadline, not a pause restarted by every event:
+        // an engine that asks to wait on every idle turn, while already registered, sends a
+        // command more often than this and talks to no server; a connection that went silent
+        // meanwhile must still be found out.
+        let mut health_at = tokio::time::Instant::now() + HEALTH_CHECK_EVERY;
         loop {
             let event = {
                 let mut stream = std::pin::pin!(conn.notifications_stream());
@@ -173,7 +178,7 @@ async fn run(
                     c = commands.recv() => Event::Command(c),
                     _ = tokio::time::sleep(check_in), if armed && !writers.is_empty() => Event::CheckWriters,
                     _ = tokio::time::sleep_until(disarm_at.unwrap_or_else(tokio::time::Instant::now)), if disarm_at.is_some() => Event::StillBusy,
-                    _ = tokio::time::sleep(HEALTH_CHECK_EVERY) => Event::HealthCheck,
+                    _ = tokio::time::sleep_until(health_at) => Event::HealthCheck,
                     _ = stop.cancelled() => Event::Stop,
                 }
             };
@@ -181,6 +186,8 @@ async fn run(
             let work = async {
                 match event {
                     Event::Notified => {
+                        // The server just spoke: the connection is alive.
+                        health_at = tokio::time::Instant::now() + HEALTH_CHECK_EVERY;
                         shared.wake.notify_one();
                         if armed && disarm_at.is_none() {
                             disarm_at = Some(tokio::time::Instant::now() + DISARM_AFTER_BUSY);
@@ -239,7 +246,10 @@ async fn run(
                         }
                         Ok(())
                     }
-                    Event::HealthCheck => conn.batch_execute("SELECT 1").await.map_err(Into::into),
+                    Event::HealthCheck => {
+                        health_at = tokio::time::Instant::now() + HEALTH_CHECK_EVERY;
+                        conn.batch_execute("SELECT 1").await.map_err(Into::into)
+                    }
                     Event::Command(None) | Event::Stop => {
                         if armed {
                             let _ = store::unregister_listener(&mut conn).await;
