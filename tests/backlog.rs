@@ -126,6 +126,18 @@ async fn claim_plans_walk_only_the_rows_they_return_whatever_the_backlog() {
         "other topic, glob",
     )
     .await;
+    // Named with another (an engine with two handlers): from the floors of each (migration
+    // ready_sets), its read of the most urgent priority among them from the front.
+    db.exec(
+        "INSERT INTO postbox.messages (topic) SELECT 'ours.created' FROM generate_series(1, 100)",
+    );
+    assert_claim_walks_only_what_it_returns(
+        &store,
+        &Topics::only(["ours.created", "reminders"]),
+        100,
+        "other topic, two names",
+    )
+    .await;
     // Ordered: 20,000 over 10 keys (10 heads claimable), and 20,000 over 1,000 keys.
     db.exec(
         "INSERT INTO postbox.messages (topic, key, ordered) SELECT 'acct', 'k' || (g % 10), true FROM generate_series(1, 20000) g;
@@ -808,6 +820,9 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
          INSERT INTO postbox.messages (topic, run_at) VALUES ('a', now() + interval '1 hour')",
     );
     let mut migrations = postbox::Migrations::new(&mut conn);
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // claims of a few topics from floors
     migrations
         .revert_last_migration(postbox::MIGRATIONS)
         .unwrap(); // look-ups, limits and wake-ups

@@ -224,6 +224,16 @@ const WHOLE_CLAIM: &str = concat!(
     floors_in!("$3"),
     ")"
 );
+const TAKE_SET: &str = "postbox.take_set(text[], integer, double precision, bigint, text)";
+/// The topics of a set of names with its exclusions, and the most urgent priority among them.
+const SET_OF: &str = "SELECT s.topics, (SELECT min(m.priority)::integer FROM postbox.messages m
+        WHERE m.state = 'available' AND m.topic = ANY(s.topics)) AS priority
+    FROM (SELECT ARRAY(SELECT DISTINCT t FROM unnest($1::text[]) AS u(t)
+                       WHERE NOT (t = ANY($2::text[]) OR t LIKE ANY($3::text[]))) AS topics) s";
+const WHOLE_SET: &str =
+    "EXPLAIN (ANALYZE, BUFFERS) SELECT * FROM postbox.take_set($1, $2, 30, 0, 'explain')";
+/// The variables of `postbox.take_set`'s marked statement, in the order they are bound.
+const SET_VARS: [&str; 4] = ["v_topic", "v_level", "v_floor", "v_batch - v_got"];
 const MOST_URGENT: &str = "SELECT min(priority)::integer AS priority FROM postbox.messages
      WHERE state = 'available' AND ($1::text IS NULL OR topic = $1)";
 const NARROW: &str = "SELECT postbox.narrow_topics($1, $2, $3, $4, $5, 16) AS topics";
@@ -281,6 +291,14 @@ struct Body {
 struct Narrow {
     #[diesel(sql_type = Nullable<Array<Text>>)]
     topics: Option<Vec<String>>,
+}
+
+#[derive(QueryableByName)]
+struct Set {
+    #[diesel(sql_type = Array<Text>)]
+    topics: Vec<String>,
+    #[diesel(sql_type = Nullable<Integer>)]
+    priority: Option<i32>,
 }
 
 #[derive(QueryableByName)]
@@ -379,6 +397,57 @@ impl Store {
                     Some(topic) => plan.push_str(&format!("-- topic {topic}\n")),
                 }
                 plan.extend(lines.into_iter().map(|l| l.line + "\n"));
+                Ok(())
+            })
+            .await?;
+            return Ok(plan);
+        }
+        if !topics.all && topics.like.is_empty() && topics.exact.len() <= 16 {
+            // Up to 16 topics named exactly: the whole claim from this session's floors (see the
+            // migration `ready_sets`), then its read of the most urgent priority among the
+            // topics from the front, as a session with no floors walks it once.
+            let body = source(&mut conn, TAKE_SET).await?;
+            let name = "the first rows of a priority of a topic of the set";
+            let sql = marked_statement(&body, name, &SET_VARS).ok_or_else(|| missing(name))?;
+            // Planned as the function plans it: once, for any topic (its statements keep a
+            // generic plan), not for the values given here.
+            let prepared = format!("postbox_explain_{}", super::new_token().unsigned_abs());
+            rolled_back(&mut conn, async |conn| {
+                conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off")
+                    .await?;
+                let set: Set = diesel::sql_query(SET_OF)
+                    .bind::<Array<Text>, _>(&topics.exact)
+                    .bind::<Array<Text>, _>(&topics.not_exact)
+                    .bind::<Array<Text>, _>(&topics.not_like)
+                    .get_result(conn)
+                    .await?;
+                conn.batch_execute("SAVEPOINT whole").await?;
+                let whole: Vec<PlanLine> = diesel::sql_query(WHOLE_SET)
+                    .bind::<Array<Text>, _>(&set.topics)
+                    .bind::<Integer, _>(batch)
+                    .load(conn)
+                    .await?;
+                plan.push_str("-- the claim, from this session's floors\n");
+                plan.extend(whole.into_iter().map(|l| l.line + "\n"));
+                conn.batch_execute("ROLLBACK TO SAVEPOINT whole").await?;
+                conn.batch_execute(&format!(
+                    "SET LOCAL plan_cache_mode = force_generic_plan;
+                     PREPARE {prepared}(text, integer, xid8, integer) AS {sql}"
+                ))
+                .await?;
+                for topic in &set.topics {
+                    // (EXECUTE takes no parameters of the protocol: a literal, quoted.)
+                    let lines: Vec<PlanLine> = diesel::sql_query(format!(
+                        "EXPLAIN (ANALYZE, BUFFERS) EXECUTE {prepared}('{}', {}, '0', {batch})",
+                        topic.replace('\'', "''"),
+                        set.priority.unwrap_or(0)
+                    ))
+                    .load(conn)
+                    .await?;
+                    plan.push_str(&format!("-- a few topics named exactly: {topic}\n"));
+                    plan.extend(lines.into_iter().map(|l| l.line + "\n"));
+                }
+                conn.batch_execute(&format!("DEALLOCATE {prepared}")).await?;
                 Ok(())
             })
             .await?;

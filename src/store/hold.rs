@@ -59,10 +59,11 @@ const TAKE_READY_AFTER: &str = concat!(
 );
 
 /// [`TAKE_READY_AFTER`] for one topic ($3). (The order names the table's columns: a bare
-/// `ready_xid` there would be the text the statement returns, sorted.)
+/// `ready_xid` there would be the text the statement returns, sorted. The topic is an array of
+/// one, so that only `messages_ready_topic_idx` gives the order: see the migration `ready_sets`.)
 pub(super) const TAKE_READY_AFTER_ONE: &str = concat!(
     take_columns!(", ready_xid::text AS ready_xid, NULL::text AS floors"),
-    "postbox.messages m WHERE state = 'available' AND topic = $3 AND priority::integer = $5
+    "postbox.messages m WHERE state = 'available' AND topic = ANY(ARRAY[$3::text]) AND priority::integer = $5
        AND m.ready_xid >= $6::text::xid8 AND (m.ready_xid, m.id) > ($6::text::xid8, $7)
      ORDER BY m.topic, m.priority::integer, m.ready_xid, m.id LIMIT $4 FOR NO KEY UPDATE SKIP LOCKED"
 );
