@@ -128,7 +128,7 @@ fn a_take_under_a_pinned_horizon_reads_what_it_returns_and_the_last_hold() {
 }
 
 /// `topic_arg`: the claim's topic argument, for the claim from the floors another connection
-/// kept (none for a few topics, whose floors stay in the session).
+/// kept (none for a few topics, `t` and `u`, given the floors of each).
 fn pinned(claim: fn(usize) -> String, topic_arg: Option<&str>, shape: &str, most: i64) {
     for pin_sql in [
         "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM postbox.turns",
@@ -167,32 +167,47 @@ fn pinned(claim: fn(usize) -> String, topic_arg: Option<&str>, shape: &str, most
             #[diesel(sql_type = diesel::sql_types::Text)]
             floors: String,
         }
-        let shared = topic_arg.map(|topic_arg| {
-            let floors = diesel::sql_query(format!(
-                "SELECT current_setting(postbox.claim_floors_setting({})) AS floors",
-                if topic_arg.is_empty() { "NULL" } else { "'t'" }
+        let floors_of = |relay: &mut PgConnection, topic: &str| {
+            diesel::sql_query(format!(
+                "SELECT coalesce(current_setting(postbox.claim_floors_setting({topic}), true), '') AS floors"
             ))
-            .get_result::<Floors>(&mut relay)
+            .get_result::<Floors>(relay)
             .unwrap()
-            .floors;
-            entries_read(
-                &mut db.conn(),
-                &format!(
+            .floors
+        };
+        let shared_sql = match topic_arg {
+            Some(topic_arg) => {
+                let floors = floors_of(
+                    &mut relay,
+                    if topic_arg.is_empty() { "NULL" } else { "'t'" },
+                );
+                format!(
                     "SELECT * FROM postbox.claim_ready({}100, 30, 1, 'x', '{floors}')",
                     if topic_arg.is_empty() {
                         "NULL, "
                     } else {
                         topic_arg
                     }
-                ),
-            )
-        });
+                )
+            }
+            // A few topics: the floors of each, in the order of the topics.
+            None => {
+                let (t, u) = (floors_of(&mut relay, "'t'"), floors_of(&mut relay, "'u'"));
+                let lease = if shape.starts_with("held") {
+                    "NULL, NULL, NULL"
+                } else {
+                    "30, 1, 'x'"
+                };
+                format!(
+                    "SELECT * FROM postbox.take_set(ARRAY['t', 'u'], 100, {lease}, ARRAY['{t}', '{u}'])"
+                )
+            }
+        };
+        let shared = entries_read(&mut db.conn(), &shared_sql);
         eprintln!(
-            "{shape}, {pin_sql}: index entries read by a claim of 100: {warm} (relay's session), {shared:?} (a new one given its floors), {cold} (a new one without)"
+            "{shape}, {pin_sql}: index entries read by a claim of 100: {warm} (relay's session), {shared} (a new one given its floors), {cold} (a new one without)"
         );
-        if let Some(shared) = shared {
-            assert!(shared <= most, "{pin_sql}: with the floors given, {shared}");
-        }
+        assert!(shared <= most, "{pin_sql}: with the floors given, {shared}");
         assert!(
             warm <= most,
             "{pin_sql}: the relay's claim read {warm} index entries"
@@ -468,36 +483,49 @@ async fn floors_of_a_server_that_went_away_hide_nothing_on_the_next() {
             conn.batch_execute("SELECT pg_current_xact_id()").unwrap();
         }
     };
+    // And a few topics named exactly, from the floors of each.
+    let set = postbox::Topics::exact(["u", "v"]);
     burn(300);
-    db.exec("INSERT INTO postbox.messages (topic) VALUES ('t')");
-    assert_eq!(
-        store
-            .claim(10, std::time::Duration::from_secs(30), &topics)
-            .await
-            .unwrap()
-            .len(),
-        1
-    );
+    db.exec("INSERT INTO postbox.messages (topic) VALUES ('t'), ('u')");
+    for topics in [&topics, &set] {
+        assert_eq!(
+            store
+                .claim(10, std::time::Duration::from_secs(30), topics)
+                .await
+                .unwrap()
+                .len(),
+            1
+        );
+    }
     // The primary goes; the standby takes its place (its data, on the same address).
     server.stop("immediate");
     std::fs::rename(&data, data.with_file_name("old primary")).unwrap();
     std::fs::rename(&standby, &data).unwrap();
     server.start_again();
-    db.exec("INSERT INTO postbox.messages (topic, key) VALUES ('t', 'after the failover')");
+    db.exec(
+        "INSERT INTO postbox.messages (topic, key) VALUES ('t', 'after the failover'), ('u', 'u after the failover')",
+    );
     burn(400);
-    let want = db.scalar("SELECT id AS v FROM postbox.messages WHERE key = 'after the failover'");
-    // The pool's connections to the old server fail once each.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let mut got = Vec::new();
-    while got.is_empty() && std::time::Instant::now() < deadline {
-        if let Ok(claimed) = store
-            .claim(10, std::time::Duration::from_secs(30), &topics)
-            .await
-        {
-            got.extend(claimed.into_iter().map(|m| m.id));
+    for (topics, key) in [
+        (&topics, "after the failover"),
+        (&set, "u after the failover"),
+    ] {
+        let want = db.scalar(&format!(
+            "SELECT id AS v FROM postbox.messages WHERE key = '{key}'"
+        ));
+        // The pool's connections to the old server fail once each.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let mut got = Vec::new();
+        while got.is_empty() && std::time::Instant::now() < deadline {
+            if let Ok(claimed) = store
+                .claim(10, std::time::Duration::from_secs(30), topics)
+                .await
+            {
+                got.extend(claimed.into_iter().map(|m| m.id));
+            }
         }
+        assert_eq!(got, [want], "{key}");
     }
-    assert_eq!(got, [want]);
 }
 
 /// A take inside a transaction that already wrote sees its own changes (a row it made running

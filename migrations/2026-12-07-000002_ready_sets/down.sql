@@ -616,4 +616,4 @@ $function$
 ;
 
 
-DROP FUNCTION postbox.take_set(text[], integer, double precision, bigint, text);
+DROP FUNCTION postbox.take_set(text[], integer, double precision, bigint, text, text[]);

@@ -7,7 +7,8 @@
 -- each claim steps over (as the claim of every topic did before the migration ready_positions).
 --
 -- postbox.take_set takes from the floors each topic keeps in the session (the setting of
--- postbox.claim_floors_setting(topic), the same as the claim and the take of that one topic), one
+-- postbox.claim_floors_setting(topic), the same as the claim and the take of that one topic; or
+-- those given, when newer: the store hands each topic's newest floors to its other connections), one
 -- priority at a time, most urgent first: the first rows of the priority among the topics in
 -- (ready_xid, id) order, read, then those of them no one else has locked; when some were locked,
 -- the rest from each topic in turn, with SKIP LOCKED. The rows stay available and locked (as in
@@ -20,7 +21,8 @@
 -- id). Patterns narrowed to a few busy topics keep their walk in (priority, id).
 
 CREATE FUNCTION postbox.take_set(p_topics text[], p_batch integer, p_lease_secs double precision DEFAULT NULL,
-                                 p_token bigint DEFAULT NULL, p_owner text DEFAULT NULL)
+                                 p_token bigint DEFAULT NULL, p_owner text DEFAULT NULL,
+                                 p_floors text[] DEFAULT NULL)
     RETURNS SETOF postbox.messages
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
@@ -57,6 +59,7 @@ DECLARE
     v_floor xid8;
     v_ended xid8[];
     v_state text;
+    v_given text;
     v_above xid8;
     v_pending xid8[];
     v_from xid8;
@@ -92,6 +95,16 @@ BEGIN
     FOR t IN 1 .. cardinality(v_topics) LOOP
         v_topic := v_topics[t];
         v_state := current_setting(postbox.claim_floors_setting(v_topic), true);
+        -- The floors given for the topic (p_floors, in the order of p_topics: another session of
+        -- the same process kept them), when they are newer; '' asks for a walk from the front.
+        v_given := (SELECT u.f FROM unnest(p_topics, p_floors) AS u(t, f)
+                    WHERE u.t = v_topic AND u.f IS NOT NULL LIMIT 1);
+        IF v_given = '' THEN
+            v_state := NULL;
+        ELSIF v_given IS NOT NULL AND (coalesce(v_state, '') = ''
+                OR split_part(v_given, ';', 1)::xid8 > split_part(v_state, ';', 1)::xid8) THEN
+            v_state := v_given;
+        END IF;
         -- Floors from the future are from another server: worthless here.
         IF coalesce(v_state, '') <> '' AND split_part(v_state, ';', 1)::xid8 > pg_snapshot_xmax(v_snap) THEN
             v_state := NULL;

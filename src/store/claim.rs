@@ -147,6 +147,22 @@ impl Topics {
         }
     }
 
+    /// The topics this filter lets through when it names up to 16 exactly and has no pattern
+    /// (exclusions applied): they are claimed from the floors of each (see the migration
+    /// `ready_sets`).
+    pub(super) fn named(&self) -> Option<Vec<&str>> {
+        if self.all || !self.like.is_empty() || self.exact.len() > 16 {
+            return None;
+        }
+        Some(
+            self.exact
+                .iter()
+                .map(String::as_str)
+                .filter(|t| self.matches(t))
+                .collect(),
+        )
+    }
+
     /// True if nothing can match.
     pub fn is_empty(&self) -> bool {
         !self.all && self.exact.is_empty() && self.like.is_empty()
@@ -362,7 +378,57 @@ FROM postbox.claim_ready($1, $2, $3, $4, $5, "#,
     ")"
 );
 
+/// The claim of up to 16 topics named exactly (`$1`): `postbox.take_set` from the newest floors the
+/// store has seen of each (`$6`, in the order of `$1`); the first row carries the floors the
+/// session keeps of each after it (in that order).
+const CLAIM_SET: &str = concat!(
+    r#"
+SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
+       created_at, locked_until, lease_token, last_error, dedup_key,
+       CASE WHEN row_number() OVER () = 1 THEN "#,
+    floors_set_out!("$1"),
+    r#" END AS floors
+FROM postbox.take_set($1, $2, $3, $4, $5, "#,
+    floors_set_in!("$6"),
+    ")"
+);
+
+/// A row of [`CLAIM_SET`]: the first carries the floors of each topic.
+struct ClaimedSet {
+    message: ClaimedMessage,
+    floors: Option<Vec<Option<String>>>,
+}
+
+impl QueryableByName<Pg> for ClaimedSet {
+    fn build<'a>(row: &impl diesel::row::NamedRow<'a, Pg>) -> diesel::deserialize::Result<Self> {
+        Ok(ClaimedSet {
+            message: ClaimedMessage::build(row)?,
+            floors: diesel::row::NamedRow::get::<
+                Nullable<Array<Nullable<Text>>>,
+                Option<Vec<Option<String>>>,
+            >(row, "floors")?,
+        })
+    }
+}
+
 impl Store {
+    /// The floors to claim from for each of `topics` (see [`Store::floors_of`]), in their order.
+    pub(super) fn floors_of_each(&self, topics: &[&str]) -> Vec<Option<String>> {
+        topics
+            .iter()
+            .map(|t| self.floors_of(&Some((*t).to_owned())))
+            .collect()
+    }
+
+    /// Keeps the floors a claim of `topics` returned (in their order), as [`Store::keep_floors`].
+    pub(super) fn keep_floors_of_each(&self, topics: &[&str], floors: Vec<Option<String>>) {
+        for (topic, state) in topics.iter().zip(floors) {
+            if let Some(state) = state {
+                self.keep_floors(Some((*topic).to_owned()), state);
+            }
+        }
+    }
+
     /// The floors to claim from for every topic (`None`) or `topic`: the newest this store saw.
     pub(super) fn floors_of(&self, topic: &Option<String>) -> Option<String> {
         let all = self.floors.lock().ok()?;
@@ -431,6 +497,27 @@ impl Store {
                 .await?;
             if let Some(newest) = got.iter().find_map(|r| r.floors.clone()) {
                 self.keep_floors(which, newest);
+            }
+            let mut rows: Vec<ClaimedMessage> = got.into_iter().map(|r| r.message).collect();
+            rows.sort_unstable_by_key(|m| (m.priority, m.id));
+            return Ok(rows);
+        }
+        if let Some(named) = topics.named() {
+            if named.is_empty() {
+                return Ok(Vec::new());
+            }
+            let floors = self.floors_of_each(&named);
+            let got: Vec<ClaimedSet> = diesel::sql_query(CLAIM_SET)
+                .bind::<Array<Text>, _>(&named)
+                .bind::<Integer, _>(batch)
+                .bind::<Double, _>(lease.as_secs_f64())
+                .bind::<BigInt, _>(token)
+                .bind::<Text, _>(&*self.owner)
+                .bind::<Array<Nullable<Text>>, _>(&floors)
+                .load(&mut conn)
+                .await?;
+            if let Some(newest) = got.iter().find_map(|r| r.floors.clone()) {
+                self.keep_floors_of_each(&named, newest);
             }
             let mut rows: Vec<ClaimedMessage> = got.into_iter().map(|r| r.message).collect();
             rows.sort_unstable_by_key(|m| (m.priority, m.id));

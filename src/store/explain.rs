@@ -224,7 +224,7 @@ const WHOLE_CLAIM: &str = concat!(
     floors_in!("$3"),
     ")"
 );
-const TAKE_SET: &str = "postbox.take_set(text[], integer, double precision, bigint, text)";
+const TAKE_SET: &str = "postbox.take_set(text[], integer, double precision, bigint, text, text[])";
 /// The topics of a set of names with its exclusions, and the most urgent priority among them.
 const SET_OF: &str = "SELECT s.topics, (SELECT min(m.priority)::integer FROM postbox.messages m
         WHERE m.state = 'available' AND m.topic = ANY(s.topics)) AS priority

@@ -21,12 +21,12 @@ macro_rules! take_columns {
     () => {
         take_columns!("")
     };
-    ($extra:literal) => {
+    ($($extra:tt)+) => {
         concat!(
             "SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts + 1 AS attempts,
        max_attempts, created_at, now() + make_interval(secs => $1) AS locked_until,
        $2::bigint AS lease_token, last_error, dedup_key, pg_current_xact_id()::text AS xid",
-            $extra,
+            $($extra)+,
             "\nFROM "
         )
     };
@@ -44,6 +44,20 @@ pub(super) const TAKE_READY: &str = concat!(
     ),
     "postbox.take_ready($3, $4, ",
     floors_in!("$5"),
+    ")"
+);
+
+/// The take of up to 16 topics named exactly (`$3`): `postbox.take_set` from the newest floors the
+/// store has seen of each (`$5`, in the order of `$3`); the first row carries the floors the
+/// session keeps of each after it.
+const TAKE_SET: &str = concat!(
+    take_columns!(
+        ", CASE WHEN row_number() OVER () = 1 THEN ",
+        floors_set_out!("$3"),
+        " END AS floors"
+    ),
+    "postbox.take_set($3, $4, NULL, NULL, NULL, ",
+    floors_set_in!("$5"),
     ")"
 );
 
@@ -206,6 +220,15 @@ pub(super) struct HeldReadyRow {
     pub(super) ready_xid: String,
     #[diesel(sql_type = Nullable<Text>)]
     floors: Option<String>,
+}
+
+/// A row of [`TAKE_SET`]: the first carries the floors its session keeps of each topic.
+#[derive(QueryableByName)]
+pub(super) struct HeldSetRow {
+    #[diesel(embed)]
+    pub(super) held: HeldRow,
+    #[diesel(sql_type = Nullable<Array<Nullable<Text>>>)]
+    floors: Option<Vec<Option<String>>>,
 }
 
 /// A position in the order a take walks, where the last take of a claim loop ended: the next
@@ -407,6 +430,31 @@ impl Store {
                     ready: r.ready_xid.parse().ok(),
                     id: r.held.message.id,
                 })
+                .max();
+            (got.into_iter().map(|r| r.held).collect(), last)
+        } else if let (None, Some(named)) = (after, topics.named()) {
+            // Up to 16 topics named exactly: from the floors of each (see the migration
+            // `ready_sets`); the position it leaves is in (priority, id), for the takes after it
+            // while its holds are in flight.
+            let floors = self.floors_of_each(&named);
+            let got: Vec<HeldSetRow> = if named.is_empty() {
+                Vec::new()
+            } else {
+                diesel::sql_query(TAKE_SET)
+                    .bind::<Double, _>(limit.as_secs_f64())
+                    .bind::<BigInt, _>(token)
+                    .bind::<Array<Text>, _>(&named)
+                    .bind::<Integer, _>(batch)
+                    .bind::<Array<Nullable<Text>>, _>(&floors)
+                    .load(&mut *conn)
+                    .await?
+            };
+            if let Some(newest) = got.iter().find_map(|r| r.floors.clone()) {
+                self.keep_floors_of_each(&named, newest);
+            }
+            let last = got
+                .iter()
+                .map(|r| TakePosition::at(r.held.message.priority, r.held.message.id))
                 .max();
             (got.into_iter().map(|r| r.held).collect(), last)
         } else {

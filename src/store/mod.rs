@@ -6,6 +6,34 @@
 
 pub mod migrate;
 
+/// The floors a store kept of each of a claim's topics (an array in the order of the topics; see
+/// [`floors_in!`]), as `postbox.take_set` takes them.
+#[cfg(feature = "async")]
+macro_rules! floors_set_in {
+    ($param:literal) => {
+        concat!(
+            "ARRAY(SELECT CASE WHEN split_part(u.f, '|', 1) = postbox.boot_token() THEN split_part(u.f, '|', 2) END
+             FROM unnest(",
+            $param,
+            "::text[]) WITH ORDINALITY AS u(f, n) ORDER BY u.n)"
+        )
+    };
+}
+
+/// The floors the session keeps of each of the topics `$param` (an array in their order; NULL
+/// for a topic without), stamped with the server run's token as a store keeps them.
+#[cfg(feature = "async")]
+macro_rules! floors_set_out {
+    ($param:literal) => {
+        concat!(
+            "ARRAY(SELECT postbox.boot_token() || '|' || nullif(current_setting(postbox.claim_floors_setting(u.t), true), '')
+             FROM unnest(",
+            $param,
+            "::text[]) WITH ORDINALITY AS u(t, n) ORDER BY u.n)"
+        )
+    };
+}
+
 /// The floors a store kept (`stamp|floors`, see `Store::keep_floors`) as the claim functions take
 /// them: only on the server run that gave them (`postbox.boot_token()`, which a crash or a
 /// promotion changes; NULL until the upkeep made one), else NULL (the session's own, or a walk

@@ -2091,10 +2091,10 @@ $$;
 COMMENT ON FUNCTION postbox.take_ready(p_topic text, p_batch integer, p_floors text) IS 'The take of a held batch of every topic (p_topic NULL) or of one topic named exactly: postbox.claim_ready''s walk from the floors, locking the rows instead of leasing them; see the migration ready_takes';
 
 --
--- Name: take_set(text[], integer, double precision, bigint, text); Type: FUNCTION; Schema: postbox; Owner: -
+-- Name: take_set(text[], integer, double precision, bigint, text, text[]); Type: FUNCTION; Schema: postbox; Owner: -
 --
 
-CREATE FUNCTION postbox.take_set(p_topics text[], p_batch integer, p_lease_secs double precision DEFAULT NULL::double precision, p_token bigint DEFAULT NULL::bigint, p_owner text DEFAULT NULL::text) RETURNS SETOF postbox.messages
+CREATE FUNCTION postbox.take_set(p_topics text[], p_batch integer, p_lease_secs double precision DEFAULT NULL::double precision, p_token bigint DEFAULT NULL::bigint, p_owner text DEFAULT NULL::text, p_floors text[] DEFAULT NULL::text[]) RETURNS SETOF postbox.messages
     LANGUAGE plpgsql
     SET enable_seqscan TO 'off'
     SET enable_bitmapscan TO 'off'
@@ -2130,6 +2130,7 @@ DECLARE
     v_floor xid8;
     v_ended xid8[];
     v_state text;
+    v_given text;
     v_above xid8;
     v_pending xid8[];
     v_from xid8;
@@ -2165,6 +2166,16 @@ BEGIN
     FOR t IN 1 .. cardinality(v_topics) LOOP
         v_topic := v_topics[t];
         v_state := current_setting(postbox.claim_floors_setting(v_topic), true);
+        -- The floors given for the topic (p_floors, in the order of p_topics: another session of
+        -- the same process kept them), when they are newer; '' asks for a walk from the front.
+        v_given := (SELECT u.f FROM unnest(p_topics, p_floors) AS u(t, f)
+                    WHERE u.t = v_topic AND u.f IS NOT NULL LIMIT 1);
+        IF v_given = '' THEN
+            v_state := NULL;
+        ELSIF v_given IS NOT NULL AND (coalesce(v_state, '') = ''
+                OR split_part(v_given, ';', 1)::xid8 > split_part(v_state, ';', 1)::xid8) THEN
+            v_state := v_given;
+        END IF;
         -- Floors from the future are from another server: worthless here.
         IF coalesce(v_state, '') <> '' AND split_part(v_state, ';', 1)::xid8 > pg_snapshot_xmax(v_snap) THEN
             v_state := NULL;
