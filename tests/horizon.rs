@@ -620,3 +620,55 @@ struct TextV {
     #[diesel(sql_type = diesel::sql_types::Text)]
     v: String,
 }
+
+/// The rows of pending transactions that ended since the floors were set are looked up by those
+/// transactions' ids: a take of 1 after two writers of 2 rows each committed locks the one row it
+/// returns, not a batch of each writer's (which it held, unreturned, until it ended).
+#[test]
+fn a_take_locks_only_what_it_returns_of_the_writers_that_ended() {
+    for (shape, take) in [
+        ("one topic", "SELECT id FROM postbox.take_ready('a', 1)"),
+        (
+            "a few topics",
+            "SELECT id FROM postbox.pick(1, false, '{a,b}', '{}', '{}', '{}')",
+        ),
+    ] {
+        let db = TestDb::migrated();
+        let mut relay = db.conn();
+        db.exec("INSERT INTO postbox.messages (topic) VALUES ('a')");
+        // The priority is known, and the floors set.
+        relay
+            .batch_execute(&format!(
+                "DELETE FROM postbox.messages WHERE id = ANY(ARRAY({take}))"
+            ))
+            .unwrap();
+        let (mut w1, mut w2) = (db.conn(), db.conn());
+        for w in [&mut w1, &mut w2] {
+            w.batch_execute("BEGIN; INSERT INTO postbox.messages (topic) VALUES ('a'), ('a')")
+                .unwrap();
+        }
+        // Floors set while both are running: they are pending (a later transaction ended, so
+        // the snapshot's end is past them: a running transaction at or past it is above the
+        // floors, not pending).
+        db.exec("SELECT pg_current_xact_id()");
+        relay
+            .batch_execute(&format!(
+                "DELETE FROM postbox.messages WHERE id = ANY(ARRAY({take}))"
+            ))
+            .unwrap();
+        for w in [&mut w1, &mut w2] {
+            w.batch_execute("COMMIT").unwrap();
+        }
+        relay.batch_execute("BEGIN").unwrap();
+        assert_eq!(claimed_by(&mut relay, take).len(), 1, "{shape}");
+        assert_eq!(
+            db.scalar(
+                "SELECT count(*) AS v FROM (SELECT id FROM postbox.messages
+                   WHERE topic = 'a' AND state = 'available' FOR UPDATE SKIP LOCKED) l"
+            ),
+            3,
+            "{shape}: rows the take locked beyond the one it returned"
+        );
+        relay.batch_execute("ROLLBACK").unwrap();
+    }
+}

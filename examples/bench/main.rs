@@ -62,6 +62,8 @@ struct Args {
     status_rows: usize,
     /// `--only xmin`: how long the horizon is pinned (default 10 minutes).
     pin_minutes: u64,
+    /// `--only xmin`: how many topics the messages go to, each with a handler (default 1).
+    xmin_topics: usize,
     /// `--only xmin`: the offered rate, messages a second (default 800).
     rate: u64,
 }
@@ -76,6 +78,7 @@ fn args() -> Args {
         backlog_rows: 1_000_000,
         status_rows: 10_000_000,
         pin_minutes: 10,
+        xmin_topics: 1,
         rate: 800,
     };
     let mut it = std::env::args().skip(1);
@@ -111,6 +114,12 @@ fn args() -> Args {
                     .expect("--pin-minutes N")
             }
             "--rate" => a.rate = it.next().and_then(|v| v.parse().ok()).expect("--rate N"),
+            "--xmin-topics" => {
+                a.xmin_topics = it
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--xmin-topics N")
+            }
             "--status-rows" => {
                 a.status_rows = it
                     .next()
@@ -118,7 +127,7 @@ fn args() -> Args {
                     .expect("--status-rows N")
             }
             other => panic!(
-                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|fresh|ordered-drain|topics|stream|console|write|xmin] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS] [--pin-minutes N] [--rate N]"
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|fresh|ordered-drain|topics|stream|console|write|xmin] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS] [--pin-minutes N] [--rate N] [--xmin-topics N]"
             ),
         }
     }
@@ -964,7 +973,7 @@ async fn main() {
         return;
     }
     if a.only.as_deref() == Some("xmin") {
-        xmin::run(a.rate, a.pin_minutes).await;
+        xmin::run(a.rate, a.pin_minutes, a.xmin_topics).await;
         return;
     }
     if a.only.as_deref() == Some("write") {

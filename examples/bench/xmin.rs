@@ -6,7 +6,9 @@
 //! and each autovacuum run (kept in `target/bench-xmin-server.log`): writers enqueue `--rate` messages a second (default
 //! 800; 4 connections, each message its own transaction), the embedded engine drains them (every
 //! topic, a no-op handler), and after 2 clean minutes a `REPEATABLE READ` transaction holds its
-//! snapshot for `--pin-minutes` (default 10), then rolls back; 3 minutes follow.
+//! snapshot for `--pin-minutes` (default 10), then rolls back; 3 minutes follow. With
+//! `--xmin-topics N` the messages go to N topics in turn, each with a handler of its own (an
+//! engine claiming topics named exactly), and the claim measured is that of the N topics.
 //!
 //! Every minute: e2e latency (the writer's clock before its commit → the handler) p50 and p99,
 //! the cost of one claim of 100 of its topic as the engine's store runs it (from its floors; the median of
@@ -204,7 +206,13 @@ struct Minute {
     take_buffers: f64,
 }
 
-pub async fn run(rate: u64, pin_minutes: u64) {
+pub async fn run(rate: u64, pin_minutes: u64, topics: usize) {
+    // One topic, or several (an engine with as many handlers, the writers taking them in turn).
+    let names: Vec<String> = if topics <= 1 {
+        vec!["bench.xmin".to_owned()]
+    } else {
+        (0..topics).map(|i| format!("bench.xmin.{i}")).collect()
+    };
     let cluster = Cluster::start();
     let url = cluster.url();
     postbox::migrate(&mut PgConnection::establish(&url).unwrap()).unwrap();
@@ -213,12 +221,16 @@ pub async fn run(rate: u64, pin_minutes: u64) {
     let produced = Arc::new(AtomicU64::new(0));
     let seen = latencies.clone();
     let count = delivered.clone();
-    let handlers = Handlers::new().on("bench.xmin", move |job: Job<serde_json::Value>| {
-        let ms = (micros_now() - job.payload["t"].as_i64().unwrap_or(0)) as f64 / 1000.0;
-        seen.lock().unwrap().push(ms);
-        count.fetch_add(1, Ordering::Relaxed);
-        async { Ok(()) }
-    });
+    let mut handlers = Handlers::new();
+    for name in &names {
+        let (seen, count) = (seen.clone(), count.clone());
+        handlers = handlers.on(name, move |job: Job<serde_json::Value>| {
+            let ms = (micros_now() - job.payload["t"].as_i64().unwrap_or(0)) as f64 / 1000.0;
+            seen.lock().unwrap().push(ms);
+            count.fetch_add(1, Ordering::Relaxed);
+            async { Ok(()) }
+        });
+    }
     let engine = Engine::builder(url.clone())
         .handlers(handlers)
         .build()
@@ -230,16 +242,20 @@ pub async fn run(rate: u64, pin_minutes: u64) {
 
     let stop = Arc::new(AtomicBool::new(false));
     let mut writers = Vec::new();
-    for _ in 0..WRITERS {
+    for w in 0..WRITERS {
         let (url, stop, produced) = (url.clone(), stop.clone(), produced.clone());
+        let names = names.clone();
         writers.push(tokio::spawn(async move {
             let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
             let every = Duration::from_secs_f64(WRITERS as f64 / rate as f64);
             let mut next = tokio::time::Instant::now();
+            let mut turn = w as usize;
             while !stop.load(Ordering::Relaxed) {
                 next += every;
                 tokio::time::sleep_until(next).await;
-                let m = Message::new("bench.xmin").payload(&serde_json::json!({"t": micros_now()}));
+                turn += 1;
+                let m = Message::new(&names[turn % names.len()])
+                    .payload(&serde_json::json!({"t": micros_now()}));
                 postbox::enqueue_async(&mut conn, &m).await.unwrap();
                 produced.fetch_add(1, Ordering::Relaxed);
             }
@@ -251,7 +267,8 @@ pub async fn run(rate: u64, pin_minutes: u64) {
     let mut stats = PgConnection::establish(&url).unwrap();
     let mut minutes: Vec<Minute> = Vec::new();
     println!(
-        "xmin: {rate}/s offered, {CLEAN_MINUTES} min clean, {pin_minutes} min pinned (a REPEATABLE READ snapshot), {AFTER_MINUTES} min after; own cluster, autovacuum on (naptime 1 min), fsync off"
+        "xmin: {rate}/s offered over {} topic(s), {CLEAN_MINUTES} min clean, {pin_minutes} min pinned (a REPEATABLE READ snapshot), {AFTER_MINUTES} min after; own cluster, autovacuum on (naptime 1 min), fsync off",
+        names.len()
     );
     println!(
         "minute phase   e2e_p50_ms e2e_p99_ms claim_ms claim_buffers take_ms take_buffers dead_tuples table_mb depth"
@@ -285,11 +302,11 @@ pub async fn run(rate: u64, pin_minutes: u64) {
                 + Duration::from_secs(10 * (samples.len() as u64 + 1));
             tokio::time::sleep_until(end.into()).await;
             let plan = store
-                .explain_claim(100, &Topics::only(["bench.xmin"]))
+                .explain_claim(100, &Topics::only(names.iter()))
                 .await
                 .unwrap();
             // And the take of a held batch (what the engine runs while there is a backlog).
-            let held = store.explain_hold("bench.xmin", 100, 0).await.unwrap();
+            let held = store.explain_hold(&names[0], 100, 0).await.unwrap();
             samples.push((claim_cost(&plan), claim_cost(&held)));
         }
         let mut lat = std::mem::take(&mut *latencies.lock().unwrap());

@@ -230,8 +230,11 @@ const SET_OF: &str = "SELECT s.topics, (SELECT min(m.priority)::integer FROM pos
         WHERE m.state = 'available' AND m.topic = ANY(s.topics)) AS priority
     FROM (SELECT ARRAY(SELECT DISTINCT t FROM unnest($1::text[]) AS u(t)
                        WHERE NOT (t = ANY($2::text[]) OR t LIKE ANY($3::text[]))) AS topics) s";
-const WHOLE_SET: &str =
-    "EXPLAIN (ANALYZE, BUFFERS) SELECT * FROM postbox.take_set($1, $2, 30, 0, 'explain')";
+const WHOLE_SET: &str = concat!(
+    "EXPLAIN (ANALYZE, BUFFERS) SELECT * FROM postbox.take_set($1, $2, 30, 0, 'explain', ",
+    floors_set_in!("$3"),
+    ")"
+);
 /// The variables of `postbox.take_set`'s marked statement, in the order they are bound.
 const SET_VARS: [&str; 4] = ["v_topic", "v_level", "v_floor", "v_batch - v_got"];
 const MOST_URGENT: &str = "SELECT min(priority)::integer AS priority FROM postbox.messages
@@ -403,9 +406,9 @@ impl Store {
             return Ok(plan);
         }
         if !topics.all && topics.like.is_empty() && topics.exact.len() <= 16 {
-            // Up to 16 topics named exactly: the whole claim from this session's floors (see the
-            // migration `ready_sets`), then its read of the most urgent priority among the
-            // topics from the front, as a session with no floors walks it once.
+            // Up to 16 topics named exactly: the whole claim from this store's floors (see the
+            // migration `ready_sets`), then its read of the most urgent priority of each topic
+            // from the front, as a session with no floors walks it once.
             let body = source(&mut conn, TAKE_SET).await?;
             let name = "the first rows of a priority of a topic of the set";
             let sql = marked_statement(&body, name, &SET_VARS).ok_or_else(|| missing(name))?;
@@ -422,12 +425,14 @@ impl Store {
                     .get_result(conn)
                     .await?;
                 conn.batch_execute("SAVEPOINT whole").await?;
+                let named: Vec<&str> = set.topics.iter().map(String::as_str).collect();
                 let whole: Vec<PlanLine> = diesel::sql_query(WHOLE_SET)
                     .bind::<Array<Text>, _>(&set.topics)
                     .bind::<Integer, _>(batch)
+                    .bind::<Array<Nullable<Text>>, _>(self.floors_of_each(&named))
                     .load(conn)
                     .await?;
-                plan.push_str("-- the claim, from this session's floors\n");
+                plan.push_str("-- the claim, from this store's floors\n");
                 plan.extend(whole.into_iter().map(|l| l.line + "\n"));
                 conn.batch_execute("ROLLBACK TO SAVEPOINT whole").await?;
                 conn.batch_execute(&format!(

@@ -604,16 +604,25 @@ BEGIN
             -- its second column is planned as a filter over everything below; and an equality
             -- would make the index's order that of the id alone, which the primary key gives:
             -- after an ANALYZE under a pin the plan took it and filtered every row of the table.)
-            SELECT array_agg(c.id)
+            -- (Read, then locked by id: locked in the look-up, the rows of each transaction up
+            -- to the batch were locked and those beyond it not returned, held until the
+            -- caller's transaction ended.)
+            SELECT array_agg(l.id)
             INTO v_more
-            FROM unnest(v_ended_all) AS e(x),
-                 LATERAL (SELECT m.id FROM postbox.messages m
-                          WHERE m.state = 'available' AND m.priority::integer = v_priority
-                            AND m.ready_xid >= e.x AND m.ready_xid <= e.x AND m.ready_xid < v_from
-                            AND (p_topic IS NULL OR m.topic = p_topic)
-                          ORDER BY m.priority::integer, m.ready_xid, m.id
-                          LIMIT v_batch - v_got
-                          FOR NO KEY UPDATE SKIP LOCKED) c;
+            FROM (SELECT m.id FROM postbox.messages m
+                  WHERE m.id = ANY(ARRAY(
+                            SELECT c.id
+                            FROM unnest(v_ended_all) AS e(x),
+                                 LATERAL (SELECT w.id FROM postbox.messages w
+                                          WHERE w.state = 'available' AND w.priority::integer = v_priority
+                                            AND w.ready_xid >= e.x AND w.ready_xid <= e.x AND w.ready_xid < v_from
+                                            AND (p_topic IS NULL OR w.topic = p_topic)
+                                          ORDER BY w.priority::integer, w.ready_xid, w.id
+                                          LIMIT v_batch - v_got) c
+                            LIMIT v_batch - v_got))
+                    AND m.state::text = 'available' AND m.priority::integer = v_priority
+                    AND m.ready_xid < v_from AND (p_topic IS NULL OR m.topic = p_topic)
+                  FOR NO KEY UPDATE SKIP LOCKED) l;
             v_ids := v_ids || coalesce(v_more[1:v_batch - v_got], '{}');
             v_got := cardinality(v_ids);
             EXIT WHEN v_got >= v_batch;
@@ -1378,8 +1387,11 @@ BEGIN
             IF v_ids IS NOT NULL THEN
                 -- Those of them no one else has locked, by primary key.
                 -- explain: the window's rows
+                -- (The filter again: a row whose topic changed since it was read is not served.)
                 RETURN QUERY SELECT m.* FROM postbox.messages m
                     WHERE m.id = ANY(v_ids) AND m.state = 'available'
+                      AND (p_all_topics OR m.topic = ANY(p_topics) OR m.topic LIKE ANY(p_patterns))
+                      AND NOT (m.topic = ANY(p_not_topics) OR m.topic LIKE ANY(p_not_patterns))
                     ORDER BY m.priority, m.id LIMIT v_batch - v_got FOR NO KEY UPDATE SKIP LOCKED;
                 GET DIAGNOSTICS v_n = ROW_COUNT;
                 v_got := v_got + v_n;
@@ -1457,7 +1469,7 @@ BEGIN
               ORDER BY c.priority, c.id LIMIT v_batch - v_got) c;
         EXIT WHEN v_ids IS NULL;
         RETURN QUERY SELECT m.* FROM postbox.messages m
-            WHERE m.id = ANY(v_ids) AND m.state = 'available'
+            WHERE m.id = ANY(v_ids) AND m.state = 'available' AND m.topic = ANY(v_topics)
             ORDER BY m.priority, m.id FOR NO KEY UPDATE SKIP LOCKED;
         GET DIAGNOSTICS v_n = ROW_COUNT;
         v_got := v_got + v_n;
@@ -1993,16 +2005,25 @@ BEGIN
             -- its second column is planned as a filter over everything below; and an equality
             -- would make the index's order that of the id alone, which the primary key gives:
             -- after an ANALYZE under a pin the plan took it and filtered every row of the table.)
-            SELECT array_agg(c.id)
+            -- (Read, then locked by id: locked in the look-up, the rows of each transaction up
+            -- to the batch were locked and those beyond it not returned, held until the
+            -- caller's transaction ended.)
+            SELECT array_agg(l.id)
             INTO v_more
-            FROM unnest(v_ended_all) AS e(x),
-                 LATERAL (SELECT m.id FROM postbox.messages m
-                          WHERE m.state = 'available' AND m.priority::integer = v_priority
-                            AND m.ready_xid >= e.x AND m.ready_xid <= e.x AND m.ready_xid < v_from
-                            AND (p_topic IS NULL OR m.topic = p_topic)
-                          ORDER BY m.priority::integer, m.ready_xid, m.id
-                          LIMIT v_batch - v_got
-                          FOR NO KEY UPDATE SKIP LOCKED) c;
+            FROM (SELECT m.id FROM postbox.messages m
+                  WHERE m.id = ANY(ARRAY(
+                            SELECT c.id
+                            FROM unnest(v_ended_all) AS e(x),
+                                 LATERAL (SELECT w.id FROM postbox.messages w
+                                          WHERE w.state = 'available' AND w.priority::integer = v_priority
+                                            AND w.ready_xid >= e.x AND w.ready_xid <= e.x AND w.ready_xid < v_from
+                                            AND (p_topic IS NULL OR w.topic = p_topic)
+                                          ORDER BY w.priority::integer, w.ready_xid, w.id
+                                          LIMIT v_batch - v_got) c
+                            LIMIT v_batch - v_got))
+                    AND m.state::text = 'available' AND m.priority::integer = v_priority
+                    AND m.ready_xid < v_from AND (p_topic IS NULL OR m.topic = p_topic)
+                  FOR NO KEY UPDATE SKIP LOCKED) l;
             v_more := coalesce(v_more[1:v_batch - v_got], '{}');
             RETURN QUERY SELECT m.* FROM postbox.messages m WHERE m.id = ANY(v_more);
             v_got := v_got + cardinality(v_more);
@@ -2235,17 +2256,24 @@ BEGIN
             v_topic := v_topics[e_topic[k]];
             v_floor := e_floor[k];
             v_ended := string_to_array(v_ended_of[e_topic[k]], ',')::xid8[];
-            SELECT array_agg(c.id)
+            -- (Read, then locked by id: see postbox.take_ready.)
+            SELECT array_agg(l.id)
             INTO v_more
-            FROM unnest(v_ended) AS e(x),
-                 LATERAL (SELECT m.id FROM postbox.messages m
-                          WHERE m.state = 'available' AND m.topic = ANY(ARRAY[v_topic])
-                            AND m.priority::integer = v_level
-                            AND m.ready_xid >= e.x AND m.ready_xid <= e.x AND m.ready_xid < v_floor
-                          ORDER BY m.topic, m.priority::integer, m.ready_xid, m.id
-                          LIMIT v_batch - v_got
-                          FOR NO KEY UPDATE SKIP LOCKED) c;
-            v_more := coalesce(v_more[1:v_batch - v_got], '{}');
+            FROM (SELECT m.id FROM postbox.messages m
+                  WHERE m.id = ANY(ARRAY(
+                            SELECT c.id
+                            FROM unnest(v_ended) AS e(x),
+                                 LATERAL (SELECT w.id FROM postbox.messages w
+                                          WHERE w.state = 'available' AND w.topic = ANY(ARRAY[v_topic])
+                                            AND w.priority::integer = v_level
+                                            AND w.ready_xid >= e.x AND w.ready_xid <= e.x AND w.ready_xid < v_floor
+                                          ORDER BY w.topic, w.priority::integer, w.ready_xid, w.id
+                                          LIMIT v_batch - v_got) c
+                            LIMIT v_batch - v_got))
+                    AND m.state::text = 'available' AND m.topic = v_topic
+                    AND m.priority::integer = v_level AND m.ready_xid < v_floor
+                  FOR NO KEY UPDATE SKIP LOCKED) l;
+            v_more := coalesce(v_more, '{}');
             v_ids := v_ids || v_more;
             v_got := cardinality(v_ids);
         END LOOP;
@@ -2273,10 +2301,13 @@ BEGIN
         CONTINUE WHEN cardinality(v_cand_ids) = 0;
         v_read := ARRAY(SELECT c.id FROM unnest(v_cand_xids, v_cand_ids) AS c(x, id)
                         ORDER BY c.x, c.id LIMIT v_batch - v_got);
+        -- (Their topic and priority again: a row changed and committed since it was read is
+        -- another topic's, or another priority's.)
         SELECT array_agg(c.id)
         INTO v_more
         FROM (SELECT m.id FROM postbox.messages m
               WHERE m.id = ANY(v_read) AND m.state::text = 'available'
+                AND m.topic = ANY(v_topics) AND m.priority::integer = v_level
               FOR NO KEY UPDATE SKIP LOCKED) c;
         v_more := coalesce(v_more, '{}');
         v_ids := v_ids || v_more;
