@@ -129,7 +129,7 @@ impl Store {
         let mut conn = self.conn().await?;
         let mut plan = String::new();
         rolled_back(&mut conn, async |conn| {
-            conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off")
+            conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL enable_incremental_sort = off; SET LOCAL jit = off")
                 .await?;
             let floors = self.floors_of(&Some(topic.to_owned()));
             let take = |sql: &str| {
@@ -370,7 +370,7 @@ impl Store {
                 .ok_or_else(|| missing(name))?
                 .replace("$2", "$2::xid8");
             rolled_back(&mut conn, async |conn| {
-                conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off")
+                conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL enable_incremental_sort = off; SET LOCAL jit = off")
                     .await?;
                 conn.batch_execute("SAVEPOINT whole").await?;
                 let whole: Vec<PlanLine> = diesel::sql_query(WHOLE_CLAIM)
@@ -416,7 +416,7 @@ impl Store {
             // generic plan), not for the values given here.
             let prepared = format!("postbox_explain_{}", super::new_token().unsigned_abs());
             rolled_back(&mut conn, async |conn| {
-                conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off")
+                conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL enable_incremental_sort = off; SET LOCAL jit = off")
                     .await?;
                 let set: Set = diesel::sql_query(SET_OF)
                     .bind::<Array<Text>, _>(&topics.exact)

@@ -89,7 +89,7 @@ pub(super) const TAKE_READY_AFTER_ONE: &str = concat!(
 fn begin_take(limit: Duration) -> String {
     let ms = (limit + HOLD_GRACE).as_millis();
     format!(
-        "BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL jit = off; SET LOCAL idle_in_transaction_session_timeout = {ms}"
+        "BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL enable_incremental_sort = off; SET LOCAL jit = off; SET LOCAL idle_in_transaction_session_timeout = {ms}"
     )
 }
 

@@ -454,7 +454,7 @@ pub(crate) fn storable(text: &str) -> std::borrow::Cow<'_, str> {
 /// The rescue's planner settings: only `messages_running_idx` gives its order without a sort (an
 /// ANALYZE under a pinned horizon that saw no live running row made the planner take another
 /// index of running rows and filter, reading every entry the pin kept).
-pub(super) const RESCUE_PLAN: &str = "SET LOCAL enable_sort = off; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off";
+pub(super) const RESCUE_PLAN: &str = "SET LOCAL enable_sort = off; SET LOCAL enable_incremental_sort = off; SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off";
 
 /// Rows `rescue_expired` handles per statement.
 pub const RESCUE_BATCH: i64 = 1_000;

@@ -494,6 +494,7 @@ CREATE FUNCTION postbox.claim_ready(p_topic text, p_batch integer, p_lease_secs 
     SET enable_seqscan TO 'off'
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
+    SET enable_incremental_sort TO 'off'
     SET plan_cache_mode TO 'force_generic_plan'
     SET jit TO 'off'
     AS $$
@@ -1893,6 +1894,7 @@ CREATE FUNCTION postbox.take_ready(p_topic text, p_batch integer, p_floors text 
     SET enable_seqscan TO 'off'
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
+    SET enable_incremental_sort TO 'off'
     SET plan_cache_mode TO 'force_generic_plan'
     SET jit TO 'off'
     AS $$
@@ -2120,6 +2122,7 @@ CREATE FUNCTION postbox.take_set(p_topics text[], p_batch integer, p_lease_secs 
     SET enable_seqscan TO 'off'
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
+    SET enable_incremental_sort TO 'off'
     SET plan_cache_mode TO 'force_generic_plan'
     SET jit TO 'off'
     AS $$
