@@ -617,3 +617,11 @@ $function$
 
 
 DROP FUNCTION postbox.take_set(text[], integer, double precision, bigint, text, text[]);
+
+ALTER FUNCTION postbox.messages_before_insert() RESET enable_incremental_sort;
+ALTER FUNCTION postbox.promote_due(integer) RESET enable_incremental_sort;
+ALTER FUNCTION postbox.messages_check_head() RESET enable_incremental_sort;
+ALTER FUNCTION postbox.take_topic(text,integer,smallint,bigint) RESET enable_incremental_sort;
+ALTER FUNCTION postbox.claim_limited(text,integer,boolean,boolean,text[],text[],integer,double precision,boolean,text[],text[],text[],text[],bigint,text) RESET enable_incremental_sort;
+ALTER FUNCTION postbox.finish_heads(integer,timestamp with time zone) RESET enable_incremental_sort;
+ALTER FUNCTION postbox.promote_due(integer,timestamp with time zone) RESET enable_incremental_sort;

@@ -981,3 +981,12 @@ $function$
 
 ;
 
+
+-- Every other function that turns sorts off turns incremental sorts off too (see above).
+ALTER FUNCTION postbox.messages_before_insert() SET enable_incremental_sort TO 'off';
+ALTER FUNCTION postbox.promote_due(integer) SET enable_incremental_sort TO 'off';
+ALTER FUNCTION postbox.messages_check_head() SET enable_incremental_sort TO 'off';
+ALTER FUNCTION postbox.take_topic(text,integer,smallint,bigint) SET enable_incremental_sort TO 'off';
+ALTER FUNCTION postbox.claim_limited(text,integer,boolean,boolean,text[],text[],integer,double precision,boolean,text[],text[],text[],text[],bigint,text) SET enable_incremental_sort TO 'off';
+ALTER FUNCTION postbox.finish_heads(integer,timestamp with time zone) SET enable_incremental_sort TO 'off';
+ALTER FUNCTION postbox.promote_due(integer,timestamp with time zone) SET enable_incremental_sort TO 'off';

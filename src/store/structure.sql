@@ -276,6 +276,7 @@ CREATE FUNCTION postbox.claim_limited(p_limit text, p_max integer, p_per_key boo
     SET enable_hashagg TO 'off'
     SET plan_cache_mode TO 'force_generic_plan'
     SET jit TO 'off'
+    SET enable_incremental_sort TO 'off'
     AS $$
 DECLARE
     v_topics text[];
@@ -895,6 +896,7 @@ CREATE FUNCTION postbox.finish_heads(p_limit integer, p_expired_from timestamp w
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
     SET jit TO 'off'
+    SET enable_incremental_sort TO 'off'
     AS $$
 DECLARE
     v_topics text[];
@@ -1087,6 +1089,7 @@ CREATE FUNCTION postbox.messages_before_insert() RETURNS trigger
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
     SET jit TO 'off'
+    SET enable_incremental_sort TO 'off'
     AS $$
 DECLARE
     v_head record;
@@ -1168,6 +1171,7 @@ CREATE FUNCTION postbox.messages_check_head() RETURNS trigger
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
     SET jit TO 'off'
+    SET enable_incremental_sort TO 'off'
     AS $$
 DECLARE
     v_head record;
@@ -1499,6 +1503,7 @@ CREATE FUNCTION postbox.promote_due(p_limit integer) RETURNS TABLE(promoted inte
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
     SET jit TO 'off'
+    SET enable_incremental_sort TO 'off'
     AS $$
 DECLARE
     v_n integer;
@@ -1533,6 +1538,7 @@ CREATE FUNCTION postbox.promote_due(p_limit integer, p_due_from timestamp with t
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
     SET jit TO 'off'
+    SET enable_incremental_sort TO 'off'
     AS $$
 DECLARE
     v_n integer;
@@ -2411,6 +2417,7 @@ CREATE FUNCTION postbox.take_topic(p_topic text, p_batch integer, p_after_priori
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
     SET jit TO 'off'
+    SET enable_incremental_sort TO 'off'
     AS $$
 BEGIN
     IF p_after_id IS NULL THEN
