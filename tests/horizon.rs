@@ -36,6 +36,33 @@ fn take_set(n: usize) -> String {
     )
 }
 
+/// The claim of a glob (an engine's handler of `t*`, a route of patterns): from the floors of the
+/// filter (migration `filter_floors`).
+fn claim_glob(n: usize) -> String {
+    format!("SELECT * FROM postbox.claim({n}, 30, false, '{{}}', '{{t%}}', '{{}}', '{{}}', 1, 'x')")
+}
+
+/// The claim of every topic but some (a relay's last route, a paused topic).
+fn claim_but(n: usize) -> String {
+    format!("SELECT * FROM postbox.claim({n}, 30, true, '{{}}', '{{}}', '{{v}}', '{{w%}}', 1, 'x')")
+}
+
+/// A held batch of a glob.
+fn take_glob(n: usize) -> String {
+    format!(
+        "DELETE FROM postbox.messages
+         WHERE id = ANY(ARRAY(SELECT id FROM postbox.take_matching(false, '{{}}', '{{t%}}', '{{}}', '{{}}', {n}))) RETURNING id"
+    )
+}
+
+/// A held batch of every topic but some.
+fn take_but(n: usize) -> String {
+    format!(
+        "DELETE FROM postbox.messages
+         WHERE id = ANY(ARRAY(SELECT id FROM postbox.take_matching(true, '{{}}', '{{}}', '{{v}}', '{{w%}}', {n}))) RETURNING id"
+    )
+}
+
 /// A held batch of every topic: its take (`postbox.take_ready`) locks the rows, and the hold
 /// deletes them by id and commits (here, in the same statement).
 fn take(n: usize) -> String {
@@ -112,9 +139,21 @@ fn entries_read(conn: &mut PgConnection, sql: &str) -> i64 {
 /// has no floors yet, walks the 20,000 entries the pin keeps (what every claim did before).
 #[test]
 fn a_claim_under_a_pinned_horizon_reads_what_it_returns() {
-    pinned(claim, Some(""), "every topic", 500);
-    pinned(claim_topic, Some("'t', "), "one topic", 500);
-    pinned(claim_set, None, "a few topics", 500);
+    pinned(claim, Given::Topic(""), "every topic", 500);
+    pinned(claim_topic, Given::Topic("'t', "), "one topic", 500);
+    pinned(claim_set, Given::Set, "a few topics", 500);
+    pinned(
+        claim_glob,
+        Given::Filter("false, '{}', '{t%}', '{}', '{}'"),
+        "a glob",
+        500,
+    );
+    pinned(
+        claim_but,
+        Given::Filter("true, '{}', '{}', '{v}', '{w%}'"),
+        "every topic but some",
+        500,
+    );
 }
 
 /// The same for held batches, whose floors stop at the rows they lock: the take after a hold
@@ -122,14 +161,34 @@ fn a_claim_under_a_pinned_horizon_reads_what_it_returns() {
 /// it returns and deletes by id; what the pin keeps of the 39 holds before is not read.
 #[test]
 fn a_take_under_a_pinned_horizon_reads_what_it_returns_and_the_last_hold() {
-    pinned(take, Some(""), "held, every topic", 1_500);
-    pinned(take_topic, Some("'t', "), "held, one topic", 1_500);
-    pinned(take_set, None, "held, a few topics", 1_500);
+    pinned(take, Given::Topic(""), "held, every topic", 1_500);
+    pinned(take_topic, Given::Topic("'t', "), "held, one topic", 1_500);
+    pinned(take_set, Given::Set, "held, a few topics", 1_500);
+    pinned(
+        take_glob,
+        Given::Filter("false, '{}', '{t%}', '{}', '{}'"),
+        "held, a glob",
+        1_500,
+    );
+    pinned(
+        take_but,
+        Given::Filter("true, '{}', '{}', '{v}', '{w%}'"),
+        "held, every topic but some",
+        1_500,
+    );
 }
 
-/// `topic_arg`: the claim's topic argument, for the claim from the floors another connection
-/// kept (none for a few topics, `t` and `u`, given the floors of each).
-fn pinned(claim: fn(usize) -> String, topic_arg: Option<&str>, shape: &str, most: i64) {
+/// How the claim from the floors another connection kept is given them.
+enum Given {
+    /// The claim's topic argument (`postbox.claim_ready`).
+    Topic(&'static str),
+    /// A few topics, `t` and `u`, given the floors of each (`postbox.take_set`).
+    Set,
+    /// The filter's arguments (`postbox.take_matching`).
+    Filter(&'static str),
+}
+
+fn pinned(claim: fn(usize) -> String, given: Given, shape: &str, most: i64) {
     for pin_sql in [
         "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM postbox.turns",
         "BEGIN; SELECT pg_current_xact_id()",
@@ -175,8 +234,13 @@ fn pinned(claim: fn(usize) -> String, topic_arg: Option<&str>, shape: &str, most
             .unwrap()
             .floors
         };
-        let shared_sql = match topic_arg {
-            Some(topic_arg) => {
+        let lease = if shape.starts_with("held") {
+            "NULL, NULL, NULL"
+        } else {
+            "30, 1, 'x'"
+        };
+        let shared_sql = match given {
+            Given::Topic(topic_arg) => {
                 let floors = floors_of(
                     &mut relay,
                     if topic_arg.is_empty() { "NULL" } else { "'t'" },
@@ -190,20 +254,33 @@ fn pinned(claim: fn(usize) -> String, topic_arg: Option<&str>, shape: &str, most
                     }
                 )
             }
+            Given::Filter(args) => {
+                let floors = diesel::sql_query(format!(
+                    "SELECT coalesce(current_setting(postbox.filter_floors_setting({args}), true), '') AS floors"
+                ))
+                .get_result::<Floors>(&mut relay)
+                .unwrap()
+                .floors;
+                format!("SELECT * FROM postbox.take_matching({args}, 100, {lease}, '{floors}')")
+            }
             // A few topics: the floors of each, in the order of the topics.
-            None => {
+            Given::Set => {
                 let (t, u) = (floors_of(&mut relay, "'t'"), floors_of(&mut relay, "'u'"));
-                let lease = if shape.starts_with("held") {
-                    "NULL, NULL, NULL"
-                } else {
-                    "30, 1, 'x'"
-                };
                 format!(
                     "SELECT * FROM postbox.take_set(ARRAY['t', 'u'], 100, {lease}, ARRAY['{t}', '{u}'])"
                 )
             }
         };
         let shared = entries_read(&mut db.conn(), &shared_sql);
+        if let Given::Filter(args) = given {
+            // What the claim of such a filter read before (postbox.pick's windows from the front).
+            let (all, rest) = args.split_once(", ").unwrap();
+            let old = entries_read(
+                &mut relay,
+                &format!("SELECT * FROM postbox.pick(100, {all}, {rest})"),
+            );
+            eprintln!("{shape}, {pin_sql}: postbox.pick read {old} index entries");
+        }
         eprintln!(
             "{shape}, {pin_sql}: index entries read by a claim of 100: {warm} (relay's session), {shared} (a new one given its floors), {cold} (a new one without)"
         );
@@ -231,6 +308,8 @@ fn the_floors_never_hide_a_message() {
     never_hidden(claim, "NULL", claim_from);
     never_hidden(claim_topic, "'t'", claim_from);
     never_hidden_by(claim_set, "'t'", None);
+    never_hidden_by(claim_glob, "'t'", None);
+    never_hidden_by(claim_but, "'t'", None);
 }
 
 /// The same for held batches: a hold that rolls back after another took past its rows, in
@@ -240,6 +319,8 @@ fn the_floors_of_held_batches_never_hide_a_message() {
     never_hidden(take, "NULL", take_from);
     never_hidden(take_topic, "'t'", take_from);
     never_hidden_by(take_set, "'t'", None);
+    never_hidden_by(take_glob, "'t'", None);
+    never_hidden_by(take_but, "'t'", None);
 }
 
 /// A claim of up to 10 of `topic` from `floors`.

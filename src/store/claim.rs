@@ -150,6 +150,15 @@ impl Topics {
     /// The topics this filter lets through when it names up to 16 exactly and has no pattern
     /// (exclusions applied): they are claimed from the floors of each (see the migration
     /// `ready_sets`).
+    /// The key under which the store keeps the floors of this filter: no topic's name (a topic
+    /// holds no NUL).
+    pub(super) fn floors_key(&self) -> String {
+        format!(
+            "\0{}\0{:?}\0{:?}\0{:?}\0{:?}",
+            self.all, self.exact, self.like, self.not_exact, self.not_like
+        )
+    }
+
     pub(super) fn named(&self) -> Option<Vec<&str>> {
         if self.all || !self.like.is_empty() || self.exact.len() > 16 {
             return None;
@@ -355,14 +364,6 @@ fn headers_map(h: serde_json::Value) -> BTreeMap<String, String> {
     }
 }
 
-/// The claim is the function `postbox.claim` of the migration (one statement; the function exists
-/// for the planner settings it pins, see the migration).
-const CLAIM: &str = r#"
-SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
-       created_at, locked_until, lease_token, last_error, dedup_key
-FROM postbox.claim($1, $2, $3, $4, $5, $6, $7, $8, $9)
-"#;
-
 /// The claim of every topic (`$1` NULL) or of one topic named exactly, from the newest floors
 /// the store has seen when its connection has none or older ones; each row carries the floors
 /// the session keeps after it.
@@ -390,6 +391,21 @@ SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, ma
     r#" END AS floors
 FROM postbox.take_set($1, $2, $3, $4, $5, "#,
     floors_set_in!("$6"),
+    ")"
+);
+
+/// The claim of a filter with patterns or exclusions (`$1`–`$5`): `postbox.take_matching` from the
+/// newest floors the store has seen of the filter (`$10`); the first row carries the floors the
+/// session keeps of it after it (see the migration `filter_floors`).
+const CLAIM_MATCHING: &str = concat!(
+    r#"
+SELECT id, topic, key, ordered, payload, headers, priority, run_at, attempts, max_attempts,
+       created_at, locked_until, lease_token, last_error, dedup_key,
+       CASE WHEN row_number() OVER () = 1
+            THEN postbox.boot_token() || '|' || current_setting(postbox.filter_floors_setting($1, $2, $3, $4, $5), true)
+            END AS floors
+FROM postbox.take_matching($1, $2, $3, $4, $5, $6, $7, $8, $9, "#,
+    floors_in!("$10"),
     ")"
 );
 
@@ -523,18 +539,26 @@ impl Store {
             rows.sort_unstable_by_key(|m| (m.priority, m.id));
             return Ok(rows);
         }
-        let mut rows: Vec<ClaimedMessage> = diesel::sql_query(CLAIM)
-            .bind::<Integer, _>(batch)
-            .bind::<Double, _>(lease.as_secs_f64())
+        // Patterns or exclusions: from the floors of the filter (see the migration `filter_floors`).
+        let key = Some(topics.floors_key());
+        let floors = self.floors_of(&key);
+        let got: Vec<ClaimedReady> = diesel::sql_query(CLAIM_MATCHING)
             .bind::<Bool, _>(topics.all)
             .bind::<Array<Text>, _>(&topics.exact)
             .bind::<Array<Text>, _>(&topics.like)
             .bind::<Array<Text>, _>(&topics.not_exact)
             .bind::<Array<Text>, _>(&topics.not_like)
+            .bind::<Integer, _>(batch)
+            .bind::<Double, _>(lease.as_secs_f64())
             .bind::<BigInt, _>(token)
             .bind::<Text, _>(&*self.owner)
+            .bind::<Nullable<Text>, _>(floors)
             .load(&mut conn)
             .await?;
+        if let Some(newest) = got.iter().find_map(|r| r.floors.clone()) {
+            self.keep_floors(key, newest);
+        }
+        let mut rows: Vec<ClaimedMessage> = got.into_iter().map(|r| r.message).collect();
         rows.sort_unstable_by_key(|m| (m.priority, m.id));
         Ok(rows)
     }

@@ -2,7 +2,7 @@
 //! slow, and for the tests that keep the plans honest over backlogs.
 
 use diesel::QueryableByName;
-use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Nullable, SmallInt, Text};
+use diesel::sql_types::{Array, BigInt, Bool, Double, Integer, Nullable, Text};
 use diesel_async::SimpleAsyncConnection;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
@@ -215,8 +215,12 @@ impl Store {
 /// `-- explain: NAME` (the claim of one topic named exactly has one statement, after
 /// `RETURN QUERY`).
 const FUNCTION_SOURCE: &str = "SELECT prosrc AS body FROM pg_proc WHERE oid = $1::regprocedure";
-const PICK: &str =
-    "postbox.pick(integer, boolean, text[], text[], text[], text[], smallint, bigint)";
+const TAKE_MATCHING: &str = "postbox.take_matching(boolean, text[], text[], text[], text[], integer, double precision, bigint, text, text)";
+const WHOLE_MATCHING: &str = concat!(
+    "EXPLAIN (ANALYZE, BUFFERS) SELECT * FROM postbox.take_matching($1, $2, $3, $4, $5, $6, 30, 0, 'explain', ",
+    floors_in!("$7"),
+    ")"
+);
 const CLAIM_READY: &str =
     "postbox.claim_ready(text, integer, double precision, bigint, text, text)";
 const WHOLE_CLAIM: &str = concat!(
@@ -316,20 +320,18 @@ struct Window {
     ids: Option<Vec<i64>>,
 }
 
-/// The variables of `postbox.pick`'s marked statements, in the order they are bound.
-const PICK_VARS: [&str; 12] = [
+/// The variables of `postbox.take_matching`'s marked statements, in the order they are bound.
+const MATCHING_VARS: [&str; 10] = [
     "v_priority",
-    "v_id",
-    "v_batch - v_got",
-    "v_batch",
+    "v_pos_xid",
+    "v_pos_id",
+    "v_window",
     "p_all_topics",
     "p_topics",
     "p_patterns",
     "p_not_topics",
     "p_not_patterns",
-    "v_topics",
-    "v_window",
-    "v_ids",
+    "v_try",
 ];
 
 impl Store {
@@ -458,7 +460,11 @@ impl Store {
             .await?;
             return Ok(plan);
         }
-        let body = source(&mut conn, PICK).await?;
+        // Patterns or exclusions (see the migration `filter_floors`): the whole claim from this
+        // store's floors of the filter; then, when the filter's busy topics are a few, what the
+        // claim of them runs (it takes them from their floors), else its first window from the
+        // front of the most urgent priority, as a session with no floors walks it once, and
+        // the lock of what the window served.
         let narrow: Narrow = diesel::sql_query(NARROW)
             .bind::<Bool, _>(topics.all)
             .bind::<Array<Text>, _>(&topics.exact)
@@ -467,49 +473,66 @@ impl Store {
             .bind::<Array<Text>, _>(&topics.not_like)
             .get_result(&mut conn)
             .await?;
-        let names: &[&str] = match &narrow.topics {
-            Some(_) => &["a few topics"],
-            None => &["window", "the window's rows"],
-        };
+        let key = Some(topics.floors_key());
+        let floors = self.floors_of(&key);
+        let body = source(&mut conn, TAKE_MATCHING).await?;
         let window = batch + (batch / 4).max(16);
-        let none: Vec<String> = Vec::new();
-        let busy = narrow.topics.as_ref().unwrap_or(&none);
         rolled_back(&mut conn, async |conn| {
-            conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL jit = off")
+            conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off; SET LOCAL enable_incremental_sort = off; SET LOCAL jit = off")
                 .await?;
-            // The rows of the topics served in the first window (what its lock statement locks).
+            conn.batch_execute("SAVEPOINT whole").await?;
+            let whole: Vec<PlanLine> = diesel::sql_query(WHOLE_MATCHING)
+                .bind::<Bool, _>(topics.all)
+                .bind::<Array<Text>, _>(&topics.exact)
+                .bind::<Array<Text>, _>(&topics.like)
+                .bind::<Array<Text>, _>(&topics.not_exact)
+                .bind::<Array<Text>, _>(&topics.not_like)
+                .bind::<Integer, _>(batch)
+                .bind::<Nullable<Text>, _>(floors)
+                .load(conn)
+                .await?;
+            plan.push_str("-- the claim, from this store's floors\n");
+            plan.extend(whole.into_iter().map(|l| l.line + "\n"));
+            conn.batch_execute("ROLLBACK TO SAVEPOINT whole").await?;
+            if narrow.topics.is_some() {
+                return Ok(());
+            }
+            let first: Urgent = diesel::sql_query(MOST_URGENT)
+                .bind::<Nullable<Text>, _>(None::<String>)
+                .get_result(conn)
+                .await?;
             let mut ids: Vec<i64> = Vec::new();
-            for name in names {
-                let Some(sql) = marked_statement(&body, name, &PICK_VARS) else {
+            for name in ["a window of the filter", "the window's rows of the filter"] {
+                let Some(sql) = marked_statement(&body, name, &MATCHING_VARS) else {
                     return Err(diesel::result::Error::QueryBuilderError(
-                        format!("no statement {name} in postbox.pick").into(),
+                        format!("no statement {name} in postbox.take_matching").into(),
                     ));
                 };
+                let sql = sql.replace("$2", "$2::xid8");
                 let bind = |q: &str, ids: Vec<i64>| {
                     diesel::sql_query(q.to_owned())
-                        .bind::<SmallInt, _>(i16::MIN)
+                        .bind::<Integer, _>(first.priority.unwrap_or(0))
+                        .bind::<Text, _>("0")
                         .bind::<BigInt, _>(0)
-                        .bind::<Integer, _>(batch)
-                        .bind::<Integer, _>(batch)
+                        .bind::<Integer, _>(window)
                         .bind::<Bool, _>(topics.all)
                         .bind::<Array<Text>, _>(&topics.exact)
                         .bind::<Array<Text>, _>(&topics.like)
                         .bind::<Array<Text>, _>(&topics.not_exact)
                         .bind::<Array<Text>, _>(&topics.not_like)
-                        .bind::<Array<Text>, _>(busy)
-                        .bind::<Integer, _>(window)
                         .bind::<Array<BigInt>, _>(ids)
                 };
-                if *name == "window" {
+                if name == "a window of the filter" {
                     let w: Vec<Window> = bind(
                         &format!(
-                            "SELECT served AS ids FROM ({sql}) AS w(walked, misses, last, served)"
+                            "SELECT served AS ids FROM ({sql}) AS w(walked, misses, last, served, served_x)"
                         ),
                         Vec::new(),
                     )
                     .load(conn)
                     .await?;
                     ids = w.into_iter().next().and_then(|w| w.ids).unwrap_or_default();
+                    ids.truncate(usize::try_from(batch).unwrap_or(usize::MAX));
                 }
                 let lines: Vec<PlanLine> =
                     bind(&format!("EXPLAIN (ANALYZE, BUFFERS) {sql}"), ids.clone())
@@ -521,6 +544,15 @@ impl Store {
             Ok(())
         })
         .await?;
+        if let Some(busy) = narrow.topics {
+            // The claim of the busy topics, from their floors.
+            let set = Box::pin(
+                self.explain_claim(usize::try_from(batch).unwrap_or(0), &Topics::exact(busy)),
+            )
+            .await?;
+            plan.push_str("-- a few topics: the filter's busy topics\n");
+            plan.push_str(&set);
+        }
         Ok(plan)
     }
 }

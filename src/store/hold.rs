@@ -93,8 +93,22 @@ fn begin_take(limit: Duration) -> String {
     )
 }
 
+/// The take of a filter with patterns or exclusions (`$3`–`$7`): `postbox.take_matching` from the
+/// newest floors the store has seen of the filter (`$9`); the first row carries the floors the
+/// session keeps of it after it (see the migration `filter_floors`).
+const TAKE_MATCHING: &str = concat!(
+    take_columns!(
+        ", CASE WHEN row_number() OVER () = 1
+            THEN postbox.boot_token() || '|' || current_setting(postbox.filter_floors_setting($3, $4, $5, $6, $7), true)
+            END AS floors"
+    ),
+    "postbox.take_matching($3, $4, $5, $6, $7, $8, NULL, NULL, NULL, ",
+    floors_in!("$9"),
+    ")"
+);
+
 /// `postbox.pick`: the claim order across the topics of a filter (with exclusions or patterns),
-/// after a position or not.
+/// after a position (while the claim loop's holds are in flight).
 const TAKE: &str = concat!(
     take_columns!(),
     "postbox.pick($3, $4, $5, $6, $7, $8, $9, $10)"
@@ -229,6 +243,15 @@ pub(super) struct HeldSetRow {
     pub(super) held: HeldRow,
     #[diesel(sql_type = Nullable<Array<Nullable<Text>>>)]
     floors: Option<Vec<Option<String>>>,
+}
+
+/// A row of [`TAKE_MATCHING`]: the first carries the floors its session keeps of the filter.
+#[derive(QueryableByName)]
+pub(super) struct HeldMatchingRow {
+    #[diesel(embed)]
+    pub(super) held: HeldRow,
+    #[diesel(sql_type = Nullable<Text>)]
+    floors: Option<String>,
 }
 
 /// A position in the order a take walks, where the last take of a claim loop ended: the next
@@ -451,6 +474,31 @@ impl Store {
             };
             if let Some(newest) = got.iter().find_map(|r| r.floors.clone()) {
                 self.keep_floors_of_each(&named, newest);
+            }
+            let last = got
+                .iter()
+                .map(|r| TakePosition::at(r.held.message.priority, r.held.message.id))
+                .max();
+            (got.into_iter().map(|r| r.held).collect(), last)
+        } else if after.is_none() {
+            // Patterns or exclusions: from the floors of the filter (see the migration
+            // `filter_floors`); the position it leaves is in (priority, id), as above.
+            let key = Some(topics.floors_key());
+            let floors = self.floors_of(&key);
+            let got: Vec<HeldMatchingRow> = diesel::sql_query(TAKE_MATCHING)
+                .bind::<Double, _>(limit.as_secs_f64())
+                .bind::<BigInt, _>(token)
+                .bind::<Bool, _>(topics.all)
+                .bind::<Array<Text>, _>(&topics.exact)
+                .bind::<Array<Text>, _>(&topics.like)
+                .bind::<Array<Text>, _>(&topics.not_exact)
+                .bind::<Array<Text>, _>(&topics.not_like)
+                .bind::<Integer, _>(batch)
+                .bind::<Nullable<Text>, _>(floors)
+                .load(&mut *conn)
+                .await?;
+            if let Some(newest) = got.iter().find_map(|r| r.floors.clone()) {
+                self.keep_floors(key, newest);
             }
             let last = got
                 .iter()
