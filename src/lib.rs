@@ -73,7 +73,7 @@ pub use error::{Error, InvalidMessage, Result};
 pub use message::{
     MAX_KEY_BYTES, MAX_PAYLOAD_BYTES, MAX_TOPIC_BYTES, Message, MessageId, RESERVED_HEADER_PREFIX,
 };
-pub use store::migrate::{MIGRATIONS, Migrations, migrate};
+pub use store::migrate::{MIGRATIONS, MIGRATIONS_DIGEST, Migrations, migrate};
 #[cfg(feature = "async")]
 pub use store::migrate::{migrate_async, migrate_pool};
 #[cfg(feature = "async")]

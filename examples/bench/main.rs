@@ -64,6 +64,9 @@ struct Args {
     pin_minutes: u64,
     /// `--only xmin`: how many topics the messages go to, each with a handler (default 1).
     xmin_topics: usize,
+    /// `--only xmin`: the topics are claimed through one glob (a relay's route `bench.xmin.*`)
+    /// instead of a handler each.
+    xmin_glob: bool,
     /// `--only xmin`: the offered rate, messages a second (default 800).
     rate: u64,
 }
@@ -79,6 +82,7 @@ fn args() -> Args {
         status_rows: 10_000_000,
         pin_minutes: 10,
         xmin_topics: 1,
+        xmin_glob: false,
         rate: 800,
     };
     let mut it = std::env::args().skip(1);
@@ -113,6 +117,7 @@ fn args() -> Args {
                     .and_then(|v| v.parse().ok())
                     .expect("--pin-minutes N")
             }
+            "--xmin-glob" => a.xmin_glob = true,
             "--rate" => a.rate = it.next().and_then(|v| v.parse().ok()).expect("--rate N"),
             "--xmin-topics" => {
                 a.xmin_topics = it
@@ -127,7 +132,7 @@ fn args() -> Args {
                     .expect("--status-rows N")
             }
             other => panic!(
-                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|fresh|ordered-drain|topics|stream|console|write|xmin] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS] [--pin-minutes N] [--rate N] [--xmin-topics N]"
+                "unknown argument {other:?}; usage: bench [--messages N] [--database-url URL] [--only drain|wakeup|tx|kafka|backlog|limits|fresh|ordered-drain|topics|stream|console|write|xmin] [--claimers N] [--kafka-brokers HOST:PORT] [--backlog-rows N] [--status-rows N] [--hold-limit MS] [--pin-minutes N] [--rate N] [--xmin-topics N] [--xmin-glob]"
             ),
         }
     }
@@ -973,7 +978,7 @@ async fn main() {
         return;
     }
     if a.only.as_deref() == Some("xmin") {
-        xmin::run(a.rate, a.pin_minutes, a.xmin_topics).await;
+        xmin::run(a.rate, a.pin_minutes, a.xmin_topics, a.xmin_glob).await;
         return;
     }
     if a.only.as_deref() == Some("write") {
