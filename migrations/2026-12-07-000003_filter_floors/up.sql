@@ -11,7 +11,8 @@
 -- postbox.take_matching walks messages_ready_idx (priority, ready_xid, id), one priority at a
 -- time, from floors kept in a session setting named after the filter
 -- (postbox.filter_floors_setting): the same state as the claim of every topic (the snapshot's
--- end, the transactions pending then, a floor per priority), and the same look-ups of the rows of
+-- end, the transactions pending then, a floor per priority, here with the id of the row the walk
+-- stopped at when it stopped among one transaction's rows), and the same look-ups of the rows of
 -- pending transactions that ended. The walk reads windows of rows (read, not locked), keeps those
 -- the filter serves and locks them by id (the filter checked again: a row whose topic changed
 -- since is not taken). Each priority's new floor is the least of: the first row it served and
@@ -63,8 +64,15 @@ DECLARE
     v_pending xid8[] := '{}';
     v_priorities integer[] := '{}';
     v_floors xid8[] := '{}';
+    -- With the floor, the id of the row it stopped at (0: before every row of that transaction):
+    -- a walk that stops among the rows of one transaction (a bulk insert of other topics) goes
+    -- on from there, not from that transaction's first row.
+    v_floor_ids bigint[] := '{}';
     -- The floor each priority walked leaves (NULL: not walked, its floor stays).
     v_walked_to xid8[];
+    v_walked_ids bigint[];
+    v_next_id bigint;
+    v_at xid8;
     v_ended_all xid8[];
     v_from xid8;
     v_lo integer;
@@ -121,9 +129,11 @@ BEGIN
         FOREACH v_pair IN ARRAY string_to_array(split_part(v_state, ';', 3), ',') LOOP
             v_priorities := v_priorities || split_part(v_pair, ':', 1)::integer;
             v_floors := v_floors || split_part(v_pair, ':', 2)::xid8;
+            v_floor_ids := v_floor_ids || coalesce(nullif(split_part(v_pair, ':', 3), ''), '0')::bigint;
         END LOOP;
     END IF;
-    v_ended_all := ARRAY(SELECT x FROM unnest(v_pending) AS u(x) WHERE NOT x = ANY(v_running));
+    -- (In their order: their rows are looked up in it.)
+    v_ended_all := ARRAY(SELECT x FROM unnest(v_pending) AS u(x) WHERE NOT x = ANY(v_running) ORDER BY x);
     -- Priorities not known yet (of any topic: a priority with nothing this filter serves is
     -- walked once, then its floor is past it).
     v_from := least(v_above, (SELECT min(x) FROM unnest(v_ended_all) AS u(x)));
@@ -141,11 +151,13 @@ BEGIN
             EXIT WHEN NOT FOUND;
             v_priorities := v_priorities || v_found;
             v_floors := v_floors || v_from;
+            v_floor_ids := v_floor_ids || 0::bigint;
             v_lo := v_found;
         END LOOP;
         v_lo := v_hi;
     END LOOP;
     v_walked_to := array_fill(NULL::xid8, ARRAY[cardinality(v_priorities)]);
+    v_walked_ids := array_fill(0::bigint, ARRAY[cardinality(v_priorities)]);
     v_order := ARRAY(SELECT o FROM generate_subscripts(v_priorities, 1) AS g(o) ORDER BY v_priorities[o]);
     FOREACH i IN ARRAY v_order LOOP
         EXIT WHEN v_got >= v_batch OR v_misses >= v_budget;
@@ -180,7 +192,7 @@ BEGIN
         END IF;
         -- Windows of the priority's rows from its floor (read, not locked).
         v_pos_xid := v_from;
-        v_pos_id := 0;
+        v_pos_id := v_floor_ids[i];
         v_done := false;
         v_first := true;
         LOOP
@@ -208,8 +220,16 @@ BEGIN
                 -- (The filter's floor then passes the rows of other topics this window read: the
                 -- next claim's window starts at what it served.)
                 IF v_topics IS NOT NULL THEN
-                    v_walked_to[i] := least(CASE WHEN v_walked < v_window THEN pg_snapshot_xmax(v_snap)
-                                                 ELSE v_end[1]::text::xid8 END, v_read_x[1]);
+                    IF v_walked < v_window THEN
+                        v_walked_to[i] := pg_snapshot_xmax(v_snap);
+                    ELSE
+                        v_walked_to[i] := v_end[1]::text::xid8;
+                        v_walked_ids[i] := v_end[2];
+                    END IF;
+                    IF v_read_x[1] <= v_walked_to[i] THEN
+                        v_walked_to[i] := v_read_x[1];
+                        v_walked_ids[i] := 0;
+                    END IF;
                     EXIT;
                 END IF;
             END IF;
@@ -258,8 +278,17 @@ BEGIN
         EXIT WHEN v_topics IS NOT NULL;
         -- Where the walk stopped: the snapshot's end when it reached the end (what commits later
         -- below it is of a transaction pending at v_snap), else the last row it read.
-        v_walked_to[i] := least(CASE WHEN v_done THEN pg_snapshot_xmax(v_snap) ELSE v_pos_xid END, v_left,
-                                CASE WHEN p_lease_secs IS NULL THEN v_mine END);
+        IF v_done THEN
+            v_walked_to[i] := pg_snapshot_xmax(v_snap);
+        ELSE
+            v_walked_to[i] := v_pos_xid;
+            v_walked_ids[i] := v_pos_id;
+        END IF;
+        v_at := least(v_left, CASE WHEN p_lease_secs IS NULL THEN v_mine END);
+        IF v_at <= v_walked_to[i] THEN
+            v_walked_to[i] := v_at;
+            v_walked_ids[i] := 0;
+        END IF;
     END LOOP;
     -- What was taken: leased by a claim (which the rest below then does not see as available).
     IF p_lease_secs IS NULL THEN
@@ -308,6 +337,7 @@ BEGIN
         v_priority := v_priorities[i];
         v_from := v_floors[i];
         v_next := coalesce(v_walked_to[i], v_from);
+        v_next_id := CASE WHEN v_walked_to[i] IS NULL THEN v_floor_ids[i] ELSE v_walked_ids[i] END;
         v_probed := NULL;
         IF cardinality(v_ended_all) > 0 THEN
             SELECT min(c.ready_xid)
@@ -321,11 +351,19 @@ BEGIN
                           ORDER BY m.priority::integer, m.ready_xid, m.id
                           LIMIT 1) c;
         END IF;
-        v_next := least(v_next, v_probed, pg_snapshot_xmax(v_snap));
+        IF v_probed <= v_next THEN
+            v_next := v_probed;
+            v_next_id := 0;
+        END IF;
+        IF v_next >= pg_snapshot_xmax(v_snap) THEN
+            v_next := pg_snapshot_xmax(v_snap);
+            v_next_id := 0;
+        END IF;
         -- Beyond 64 priorities, those with nothing left are forgotten (found again by the look
         -- between known priorities).
         IF cardinality(v_priorities) <= 64 OR v_next < pg_snapshot_xmax(v_snap) THEN
-            v_out := v_out || (v_priority::text || ':' || v_next::text);
+            v_out := v_out || (v_priority::text || ':' || v_next::text
+                               || CASE WHEN v_next_id > 0 THEN ':' || v_next_id::text ELSE '' END);
         END IF;
     END LOOP;
     PERFORM set_config(v_setting,
@@ -359,5 +397,72 @@ BEGIN
     END IF;
     RETURN QUERY SELECT * FROM postbox.take_matching(p_all_topics, p_topics, p_patterns, p_not_topics,
                                                      p_not_patterns, p_batch, p_lease_secs, p_token, p_owner);
+END
+$$;
+
+-- The narrowing of a pattern to its busy topics bounds each descent of the topic index by the end
+-- of the prefix's range: its last descent, past the range, read the entries of whatever topic
+-- sorts next (under a pin, every entry the pin keeps of it: a review measured 100,600 index
+-- entries for a claim of 100 of `t%` whose own topic had none, the next topic `u` having been
+-- drained under the pin).
+CREATE OR REPLACE FUNCTION postbox.narrow_topics(p_all_topics boolean, p_topics text[], p_patterns text[], p_not_topics text[], p_not_patterns text[], p_max integer) RETURNS text[]
+    LANGUAGE plpgsql STABLE
+    SET enable_seqscan TO 'off'
+    SET enable_bitmapscan TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
+    SET jit TO 'off'
+    AS $$
+DECLARE
+    v_out text[] := '{}';
+    v_pattern text;
+    v_prefix text;
+    v_walk text[];
+    v_walked integer;
+    v_upper text;
+BEGIN
+    IF p_all_topics OR cardinality(p_topics) + cardinality(p_patterns) = 0 THEN
+        RETURN NULL;
+    END IF;
+    IF cardinality(p_patterns) > 0 AND NOT postbox.bytewise_topics() THEN
+        RETURN NULL;
+    END IF;
+    v_out := ARRAY(SELECT DISTINCT t FROM unnest(p_topics) AS u(t)
+                   WHERE NOT (t = ANY(p_not_topics) OR t LIKE ANY(p_not_patterns)));
+    FOREACH v_pattern IN ARRAY p_patterns LOOP
+        -- The literal text before the first wildcard, unescaped: the topics that can match lie
+        -- in one range of the topic index, walked one descent per topic, p_max + 1 at most.
+        v_prefix := regexp_replace(substring(v_pattern FROM '^((?:[^%_\\]|\\.)*)'), '\\(.)', '\1', 'g');
+        IF v_prefix = '' THEN
+            RETURN NULL;
+        END IF;
+        -- The end of that range: the prefix with its last character the next one (bytewise, the
+        -- order of code points). Each descent is bounded by it: the last one, past the range,
+        -- read the entries of the topic that sorts next, every one a pin keeps.
+        IF ascii(right(v_prefix, 1)) IN (55295, 1114111) THEN
+            RETURN NULL;
+        END IF;
+        v_upper := left(v_prefix, -1) || chr(ascii(right(v_prefix, 1)) + 1);
+        SELECT array_agg(d.topic), count(*) INTO v_walk, v_walked
+        FROM (WITH RECURSIVE d(topic) AS (
+                  SELECT (SELECT m.topic FROM postbox.messages m
+                          WHERE m.state = 'available' AND m.topic >= v_prefix AND m.topic < v_upper
+                          ORDER BY m.topic LIMIT 1)
+                  UNION ALL
+                  SELECT (SELECT m.topic FROM postbox.messages m
+                          WHERE m.state = 'available' AND m.topic > d.topic AND m.topic < v_upper
+                          ORDER BY m.topic LIMIT 1)
+                  FROM d WHERE d.topic IS NOT NULL)
+              SELECT d.topic FROM d WHERE starts_with(d.topic, v_prefix) LIMIT p_max + 1) d;
+        IF v_walked > p_max THEN
+            RETURN NULL;
+        END IF;
+        v_out := v_out || ARRAY(SELECT t FROM unnest(v_walk) AS u(t)
+                                WHERE t LIKE v_pattern AND NOT t = ANY(v_out)
+                                  AND NOT (t = ANY(p_not_topics) OR t LIKE ANY(p_not_patterns)));
+    END LOOP;
+    IF cardinality(v_out) > p_max THEN
+        RETURN NULL;
+    END IF;
+    RETURN v_out;
 END
 $$;
