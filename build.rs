@@ -1,6 +1,6 @@
 //! Rebuilds the crate when a migration is added or edited: `embed_migrations!` reads
 //! `migrations/` at compile time, and cargo does not otherwise notice a new directory there. The
-//! digest of what it embeds (`POSTBOX_MIGRATIONS_DIGEST`) names the tests' template databases, so
+//! digest of what it embeds (`BUILT_MIGRATIONS_DIGEST`) names the tests' template databases, so
 //! a template is always built from the migrations the binary carries, not from the files as they
 //! are when the tests run.
 use std::path::{Path, PathBuf};
@@ -36,5 +36,5 @@ fn main() {
             h = h.wrapping_mul(0x0000_0100_0000_01b3);
         }
     }
-    println!("cargo:rustc-env=POSTBOX_MIGRATIONS_DIGEST={h:016x}");
+    println!("cargo:rustc-env=BUILT_MIGRATIONS_DIGEST={h:016x}");
 }

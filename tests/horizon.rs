@@ -814,3 +814,43 @@ fn a_walk_goes_on_from_where_it_stopped_within_one_transaction() {
         "a claim walked the transaction's rows from the first again: {reads:?}"
     );
 }
+
+/// A claim inside a transaction that wrote reads that transaction's own rows: a floor among them
+/// keeps no row position (more of that transaction may come, with lower ids: here the message it
+/// claimed, given back before its commit), so the next claims find it.
+#[test]
+fn a_claim_inside_a_writing_transaction_keeps_no_position_among_its_own_rows() {
+    let db = TestDb::migrated();
+    let mut relay = db.conn();
+    let but_x = |n: usize| {
+        format!(
+            "SELECT * FROM postbox.claim({n}, 60, true, '{{}}', '{{}}', '{{x}}', '{{}}', 1, 'w')"
+        )
+    };
+    assert!(claimed_by(&mut relay, &but_x(1)).is_empty());
+    relay
+        .batch_execute(
+            "BEGIN;
+             INSERT INTO postbox.messages (topic) VALUES ('t');
+             INSERT INTO postbox.messages (topic) SELECT 'x' FROM generate_series(1, 20)",
+        )
+        .unwrap();
+    // A transaction that began later and ended: the snapshot's end passes the relay's own, so
+    // the floor is not merely clamped to the snapshot's end.
+    db.exec("INSERT INTO postbox.messages (topic) VALUES ('x')");
+    let mine = claimed_by(&mut relay, &but_x(1));
+    assert_eq!(mine.len(), 1);
+    relay
+        .batch_execute(&format!(
+            "UPDATE postbox.messages SET state = 'available', locked_until = NULL, lease_token = NULL,
+                    locked_by = NULL WHERE id = {};
+             COMMIT",
+            mine[0]
+        ))
+        .unwrap();
+    assert_eq!(
+        claimed_by(&mut relay, &but_x(10)),
+        mine,
+        "the message given back"
+    );
+}

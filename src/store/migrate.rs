@@ -19,7 +19,7 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 /// A digest of the migration files [`MIGRATIONS`] embeds (computed by the build script when they
 /// were embedded): the same embedded migrations, the same digest.
 #[doc(hidden)]
-pub const MIGRATIONS_DIGEST: &str = env!("POSTBOX_MIGRATIONS_DIGEST");
+pub const MIGRATIONS_DIGEST: &str = env!("BUILT_MIGRATIONS_DIGEST");
 
 /// One migration at a time across every process: the key of the advisory lock they share. It is
 /// tried, not waited for: a session waiting in `pg_advisory_lock` holds a snapshot, and a

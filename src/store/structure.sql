@@ -2230,6 +2230,13 @@ BEGIN
             v_next := pg_snapshot_xmax(v_snap);
             v_next_id := 0;
         END IF;
+        -- A row position only within a transaction that ended: the rows a claim inside a longer
+        -- transaction read of its own may be followed by more of it, with lower ids (a message
+        -- it gives back, an update), which the look-up of ended transactions does not see at
+        -- the floor's own transaction.
+        IF v_next = ANY(v_running) THEN
+            v_next_id := 0;
+        END IF;
         -- Beyond 64 priorities, those with nothing left are forgotten (found again by the look
         -- between known priorities).
         IF cardinality(v_priorities) <= 64 OR v_next < pg_snapshot_xmax(v_snap) THEN
