@@ -97,6 +97,48 @@ async fn assert_claim_walks_only_what_it_returns(
     assert_eq!(got.len(), expect, "{shape}");
 }
 
+/// The plan of a filter with exclusions (migration `filter_floors`): the whole claim from the
+/// store's floors, then its first window of `messages_ready_idx` read without locks (a window
+/// a little larger than the batch, no sort) and the lock of what that window served, by id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_plan_of_a_filter_walks_windows_from_its_floors() {
+    let db = TestDb::migrated();
+    let store = db.store().await;
+    db.exec(
+        "INSERT INTO postbox.messages (topic) SELECT CASE WHEN g % 4 = 0 THEN 'paused' ELSE 'a' || (g % 7) END
+         FROM generate_series(1, 2000) g;
+         ANALYZE postbox.messages",
+    );
+    let but = Topics::all().excluding(&Topics::only(["paused"]));
+    store.claim(BATCH, LEASE, &but).await.unwrap();
+    let plan = store.explain_claim(BATCH, &but).await.unwrap();
+    for section in [
+        "-- the claim, from this store's floors",
+        "-- a window of the filter",
+        "-- the window's rows of the filter",
+    ] {
+        assert!(plan.contains(section), "{section}\n{plan}");
+    }
+    let window = plan
+        .split("-- a window of the filter")
+        .nth(1)
+        .and_then(|w| w.split("-- the window's rows").next())
+        .unwrap();
+    assert!(window.contains("messages_ready_idx"), "{window}");
+    assert!(!window.contains("Sort"), "{window}");
+    let (scanned, _) = plan_figures(window);
+    let most = (BATCH + (BATCH / 4).max(16)) as u64;
+    assert!(scanned.iter().all(|&n| n <= most), "{window}");
+    let rows = plan
+        .split("-- the window's rows of the filter")
+        .nth(1)
+        .unwrap();
+    assert!(rows.contains("messages_pkey"), "{rows}");
+    let got = store.claim(BATCH, LEASE, &but).await.unwrap();
+    assert_eq!(got.len(), BATCH);
+    assert!(got.iter().all(|m| m.topic != "paused"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claim_plans_walk_only_the_rows_they_return_whatever_the_backlog() {
     let db = TestDb::migrated();
