@@ -147,9 +147,6 @@ impl Topics {
         }
     }
 
-    /// The topics this filter lets through when it names up to 16 exactly and has no pattern
-    /// (exclusions applied): they are claimed from the floors of each (see the migration
-    /// `ready_sets`).
     /// The key under which the store keeps the floors of this filter: no topic's name (a topic
     /// holds no NUL).
     pub(super) fn floors_key(&self) -> String {
@@ -159,6 +156,9 @@ impl Topics {
         )
     }
 
+    /// The topics this filter lets through when it names up to 16 exactly and has no pattern
+    /// (exclusions applied): they are claimed from the floors of each (see the migration
+    /// `ready_sets`).
     pub(super) fn named(&self) -> Option<Vec<&str>> {
         if self.all || !self.like.is_empty() || self.exact.len() > 16 {
             return None;
