@@ -854,3 +854,90 @@ fn a_claim_inside_a_writing_transaction_keeps_no_position_among_its_own_rows() {
         "the message given back"
     );
 }
+
+/// Buffers (hit + read) of the first plan node of `plan`.
+fn first_buffers(plan: &str) -> u64 {
+    plan.lines()
+        .find(|l| l.trim_start().starts_with("Buffers:"))
+        .map(|l| {
+            l.split_whitespace()
+                .filter_map(|w| w.split_once('='))
+                .filter(|(k, _)| matches!(*k, "hit" | "read"))
+                .filter_map(|(_, v)| v.parse::<u64>().ok())
+                .sum()
+        })
+        .unwrap_or_else(|| panic!("no buffers in\n{plan}"))
+}
+
+/// `Store::explain_claim_as_run` is what a sampler can run every few seconds under a pinned
+/// horizon: the whole claim from the store's floors and nothing else, for every shape of filter.
+/// `explain_claim` also walks from the front of the claim order (and narrows a glob), which reads
+/// every entry the pin keeps: the xmin bench's sampling of it grew to seconds every 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claim_as_run_is_explained_without_the_walks_from_the_front() {
+    use postbox::Topics;
+    let db = TestDb::migrated();
+    let store = db.store().await;
+    let mut pin = db.conn();
+    pin.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM postbox.turns")
+        .unwrap();
+    let shapes = [
+        ("every topic", Topics::all()),
+        ("one topic", Topics::exact(["t.0"])),
+        ("a set", Topics::exact(["t.0", "t.1"])),
+        ("a glob", Topics::only(["t.*"])),
+    ];
+    // 12,000 messages claimed and deleted under the pin, then a few more claimed by each shape
+    // (so the store keeps floors of each past what the pin keeps), then one more of each topic
+    // (a claim's own writes, a lease of each row it takes, are not what is compared).
+    let drain = async |topics: &Topics| loop {
+        let got = store
+            .claim(500, std::time::Duration::from_secs(30), topics)
+            .await
+            .unwrap();
+        if got.is_empty() {
+            break;
+        }
+        let leases: Vec<_> = got.iter().map(|m| m.lease()).collect();
+        store.complete(&leases).await.unwrap();
+    };
+    db.exec("INSERT INTO postbox.messages (topic) SELECT 't.' || (g % 3) FROM generate_series(1, 12000) g");
+    drain(&Topics::all()).await;
+    for (_, topics) in &shapes {
+        db.exec("INSERT INTO postbox.messages (topic) SELECT 't.' || (g % 3) FROM generate_series(1, 6) g");
+        drain(topics).await;
+    }
+    db.exec("INSERT INTO postbox.messages (topic) VALUES ('t.0'), ('t.1'), ('t.2')");
+    for (shape, topics) in &shapes {
+        let as_run = store.explain_claim_as_run(100, topics).await.unwrap();
+        let sections: Vec<&str> = as_run.lines().filter(|l| l.starts_with("-- ")).collect();
+        assert_eq!(
+            sections,
+            ["-- the claim, from this store's floors"],
+            "{shape}\n{as_run}"
+        );
+        let full = store.explain_claim(100, topics).await.unwrap();
+        assert!(
+            full.starts_with(&as_run[..as_run.find('\n').unwrap()]),
+            "{shape}"
+        );
+        let (run, whole) = (first_buffers(&as_run), total_buffers(&full));
+        println!("{shape}: the claim as run {run} buffers, the whole explain {whole}");
+        assert!(run < 2_000, "{shape}: {run}\n{as_run}");
+        assert!(whole > 5 * run, "{shape}: {whole} against {run}\n{full}");
+    }
+    // Nothing was claimed by explaining.
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages WHERE state = 'available'"),
+        3
+    );
+    pin.batch_execute("ROLLBACK").unwrap();
+}
+
+/// Buffers (hit + read) of the top node of every plan in `plan`.
+fn total_buffers(plan: &str) -> u64 {
+    plan.split("\n-- ")
+        .filter(|p| p.contains("Buffers:"))
+        .map(first_buffers)
+        .sum()
+}

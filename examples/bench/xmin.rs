@@ -15,7 +15,7 @@
 //!
 //! Every minute: e2e latency (the writer's clock before its commit → the handler) p50 and p99,
 //! the cost of one claim of 100 of its topic as the engine's store runs it (from its floors; the median of
-//! samples every 10 s, time and buffers, from `Store::explain_claim`), the same for the take of a
+//! samples every 10 s, time and buffers, from `Store::explain_claim_as_run`, which leaves out the walks from the front), the same for the take of a
 //! held batch of 100 (`Store::explain_hold`, what the engine runs while there is a backlog), the table's dead tuples
 //! and size, and the depth. Then the ratios: p99 and claim cost of the last pinned minute
 //! against the clean minutes, and how long after the release p99 was back within 2× clean.
@@ -350,7 +350,7 @@ pub async fn run(rate: u64, pin_minutes: u64, topics: usize, glob: bool) {
                 + Duration::from_secs(minute * 60)
                 + Duration::from_secs(10 * (samples.len() as u64 + 1));
             tokio::time::sleep_until(end.into()).await;
-            let plan = store.explain_claim(100, &claimed).await.unwrap();
+            let plan = store.explain_claim_as_run(100, &claimed).await.unwrap();
             // And the take of a held batch (what the engine runs while there is a backlog).
             // (Not with a glob: the engine never takes the first topic by name, so that take
             // would walk from the front; a glob's take is the claim's walk, locking.)

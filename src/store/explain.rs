@@ -341,6 +341,23 @@ impl Store {
     /// exactly, the statement of `postbox.claim_topic`. Run in a transaction that is rolled back:
     /// nothing is claimed. For operators, and for the tests that keep the plans honest.
     pub async fn explain_claim(&self, batch: usize, topics: &Topics) -> Result<String> {
+        self.explain_claim_parts(batch, topics, false).await
+    }
+
+    /// The first part of [`Store::explain_claim`] alone: the whole claim as this store runs it,
+    /// from the floors it kept. It leaves out the walks from the front of the claim order (and,
+    /// for a filter, the narrowing to its busy topics), which read whatever a pinned xmin horizon
+    /// keeps: what a sampler can afford to run every few seconds, as `bench --only xmin` does.
+    pub async fn explain_claim_as_run(&self, batch: usize, topics: &Topics) -> Result<String> {
+        self.explain_claim_parts(batch, topics, true).await
+    }
+
+    async fn explain_claim_parts(
+        &self,
+        batch: usize,
+        topics: &Topics,
+        whole_only: bool,
+    ) -> Result<String> {
         let mut conn = self.conn().await?;
         let batch = i32::try_from(batch).unwrap_or(i32::MAX);
         let source = async |conn: &mut AsyncPgConnection, f: &str| {
@@ -383,6 +400,9 @@ impl Store {
                     .await?;
                 plan.push_str("-- the claim, from this store's floors\n");
                 plan.extend(whole.into_iter().map(|l| l.line + "\n"));
+                if whole_only {
+                    return Ok(());
+                }
                 // What it claimed is not claimed for the scan below.
                 conn.batch_execute("ROLLBACK TO SAVEPOINT whole").await?;
                 let first: Urgent = diesel::sql_query(MOST_URGENT)
@@ -436,6 +456,9 @@ impl Store {
                     .await?;
                 plan.push_str("-- the claim, from this store's floors\n");
                 plan.extend(whole.into_iter().map(|l| l.line + "\n"));
+                if whole_only {
+                    return Ok(());
+                }
                 conn.batch_execute("ROLLBACK TO SAVEPOINT whole").await?;
                 conn.batch_execute(&format!(
                     "SET LOCAL plan_cache_mode = force_generic_plan;
@@ -465,14 +488,18 @@ impl Store {
         // claim of them runs (it takes them from their floors), else its first window from the
         // front of the most urgent priority, as a session with no floors walks it once, and
         // the lock of what the window served.
-        let narrow: Narrow = diesel::sql_query(NARROW)
-            .bind::<Bool, _>(topics.all)
-            .bind::<Array<Text>, _>(&topics.exact)
-            .bind::<Array<Text>, _>(&topics.like)
-            .bind::<Array<Text>, _>(&topics.not_exact)
-            .bind::<Array<Text>, _>(&topics.not_like)
-            .get_result(&mut conn)
-            .await?;
+        let narrow: Narrow = if whole_only {
+            Narrow { topics: None }
+        } else {
+            diesel::sql_query(NARROW)
+                .bind::<Bool, _>(topics.all)
+                .bind::<Array<Text>, _>(&topics.exact)
+                .bind::<Array<Text>, _>(&topics.like)
+                .bind::<Array<Text>, _>(&topics.not_exact)
+                .bind::<Array<Text>, _>(&topics.not_like)
+                .get_result(&mut conn)
+                .await?
+        };
         let key = Some(topics.floors_key());
         let floors = self.floors_of(&key);
         let body = source(&mut conn, TAKE_MATCHING).await?;
@@ -494,7 +521,7 @@ impl Store {
             plan.push_str("-- the claim, from this store's floors\n");
             plan.extend(whole.into_iter().map(|l| l.line + "\n"));
             conn.batch_execute("ROLLBACK TO SAVEPOINT whole").await?;
-            if narrow.topics.is_some() {
+            if whole_only || narrow.topics.is_some() {
                 return Ok(());
             }
             let first: Urgent = diesel::sql_query(MOST_URGENT)
