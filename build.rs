@@ -18,7 +18,10 @@ fn files(dir: &Path, out: &mut Vec<PathBuf>) {
 
 fn main() {
     println!("cargo:rerun-if-changed=migrations");
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+    // The manifest's directory as cargo gives it to this run (not as it was when the script was
+    // compiled: a compiled build script is reused by another checkout sharing the target dir).
+    let root = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets it"))
+        .join("migrations");
     let mut all = Vec::new();
     files(&root, &mut all);
     all.sort();

@@ -32,7 +32,8 @@ if ! "${podman[@]}" image exists "$base"; then
   as_root rm -rf "$work/rootfs"
 fi
 
-cargo build --quiet --bin postbox
+# The binary the tests built (all features): no second build of the crate.
+cargo build --quiet --bin postbox --all-features
 rm -rf "$work/context"
 mkdir -p "$work/context"
 cp target/debug/postbox "$work/context/postbox"

@@ -5,6 +5,11 @@
 //! `INSERT ... SELECT FROM unnest(arrays) ... ON CONFLICT DO NOTHING RETURNING` statement (one
 //! round trip for up to [`ROWS_PER_STATEMENT`] messages, nine bind parameters whatever their
 //! number); a second query runs only when some dedup key matched a live message, to say which one.
+//!
+//! Unordered messages without a dedup key go to `postbox.intake` (migration `intake`): a table
+//! with a primary key and nothing else on the writer's path, which the relay moves into
+//! `postbox.messages` in bulk. Ordered messages and messages with a dedup key are decided at the
+//! writer's commit (a key's order, a duplicate) and are written to `postbox.messages` directly.
 
 use std::collections::HashMap;
 
@@ -14,7 +19,7 @@ use diesel::{ExpressionMethods, QueryDsl};
 
 use crate::error::Result;
 use crate::message::{DEFAULT_MAX_ATTEMPTS, Message, MessageId};
-use crate::schema::postbox::messages;
+use crate::schema::postbox::{intake, messages};
 
 /// Rows per INSERT statement (the arrays of one statement are built and sent whole).
 pub const ROWS_PER_STATEMENT: usize = 5_000;
@@ -53,6 +58,14 @@ struct NewMessage<'a> {
     run_at: Option<DateTime<Utc>>,
     max_attempts: i32,
     dedup_key: Option<&'a str>,
+}
+
+impl NewMessage<'_> {
+    /// Whether the message goes to the intake: nothing about it is decided at the writer's
+    /// commit (no key order, no dedup key).
+    fn to_intake(&self) -> bool {
+        !self.ordered && self.dedup_key.is_none()
+    }
 }
 
 type Returned = (MessageId, String, Option<String>);
@@ -150,6 +163,98 @@ macro_rules! row_values {
             messages::dedup_key.eq($r.dedup_key),
         )
     };
+}
+
+/// [`row_values`] for `postbox.intake` (no order, no dedup key).
+macro_rules! intake_values {
+    ($r:expr) => {
+        (
+            intake::topic.eq($r.topic),
+            intake::key.eq($r.key),
+            intake::payload.eq($r.payload),
+            intake::headers.eq(&$r.headers),
+            intake::priority.eq($r.priority),
+            intake::run_at.eq(coalesce($r.run_at, db_now())),
+            intake::max_attempts.eq($r.max_attempts),
+        )
+    };
+}
+
+/// [`INSERT_MANY`] for `postbox.intake`. Ids are drawn row by row in the order given, so they
+/// ascend in that order.
+const INSERT_MANY_INTAKE: &str = "INSERT INTO postbox.intake (topic, key, payload, headers, priority, run_at, max_attempts)
+SELECT t, k, p, h, pr, coalesce(r, now()), ma
+FROM unnest($1::text[], $2::text[], $3::jsonb[], $4::jsonb[], $5::int2[], $6::timestamptz[], $7::int4[])
+     WITH ORDINALITY AS u(t, k, p, h, pr, r, ma, n)
+ORDER BY n
+RETURNING id";
+
+#[derive(diesel::QueryableByName)]
+struct IntakeRow {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    id: MessageId,
+}
+
+/// The insert of `chunk` (rows for the intake) in its cheapest form; their ids, in the order of
+/// `chunk`.
+macro_rules! intake_chunk {
+    ($chunk:expr, $conn:expr, $($await:tt)*) => {{
+        use diesel::sql_types::{Array, Integer, Jsonb, Nullable, SmallInt, Text, Timestamptz};
+        let rows: &[NewMessage<'_>] = $chunk;
+        let mut ids: Vec<MessageId> = match rows {
+            [one] => vec![diesel::insert_into(intake::table).values(intake_values!(one)).returning(intake::id).get_result($conn)$($await)*?],
+            many => {
+                let got: Vec<IntakeRow> = diesel::sql_query(INSERT_MANY_INTAKE)
+                    .bind::<Array<Text>, _>(many.iter().map(|r| r.topic).collect::<Vec<_>>())
+                    .bind::<Array<Nullable<Text>>, _>(many.iter().map(|r| r.key).collect::<Vec<_>>())
+                    .bind::<Array<Jsonb>, _>(many.iter().map(|r| r.payload).collect::<Vec<_>>())
+                    .bind::<Array<Jsonb>, _>(many.iter().map(|r| &r.headers).collect::<Vec<_>>())
+                    .bind::<Array<SmallInt>, _>(many.iter().map(|r| r.priority).collect::<Vec<_>>())
+                    .bind::<Array<Nullable<Timestamptz>>, _>(many.iter().map(|r| r.run_at).collect::<Vec<_>>())
+                    .bind::<Array<Integer>, _>(many.iter().map(|r| r.max_attempts).collect::<Vec<_>>())
+                    .load($conn)$($await)*?;
+                got.into_iter().map(|r| r.id).collect()
+            }
+        };
+        ids.sort_unstable();
+        ids
+    }};
+}
+
+/// The whole of `enqueue_many` on a sync or an async connection: the writer locks of ordered
+/// keys, then the direct rows and the intake's, a statement per [`ROWS_PER_STATEMENT`] of each;
+/// one [`Enqueued`] per input, in order.
+macro_rules! enqueue_rows {
+    ($rows:expr, $conn:expr, $($await:tt)*) => {{
+        let rows: Vec<NewMessage<'_>> = $rows;
+        if let Some((topics, keys)) = ordered_keys(&rows) {
+            diesel::select(lock_keys(topics, keys)).get_result::<i64>($conn)$($await)*?;
+        }
+        let mut out: Vec<Option<Enqueued>> = vec![None; rows.len()];
+        let (fast, direct): (Vec<_>, Vec<_>) = rows.into_iter().enumerate().partition(|(_, r)| r.to_intake());
+        let (direct_at, direct): (Vec<usize>, Vec<NewMessage<'_>>) = direct.into_iter().unzip();
+        let (fast_at, fast): (Vec<usize>, Vec<NewMessage<'_>>) = fast.into_iter().unzip();
+        for (chunk, at) in direct.chunks(ROWS_PER_STATEMENT).zip(direct_at.chunks(ROWS_PER_STATEMENT)) {
+            let inserted = insert_chunk!(chunk, $conn, $($await)*);
+            let ids = match_inserted(chunk, inserted);
+            let keys = duplicate_keys(chunk, &ids);
+            let existing = if keys.is_empty() {
+                Vec::new()
+            } else {
+                duplicates_query!(&keys).load($conn)$($await)*?
+            };
+            for (i, e) in at.iter().zip(resolve(chunk, ids, existing)) {
+                out[*i] = Some(e);
+            }
+        }
+        for (chunk, at) in fast.chunks(ROWS_PER_STATEMENT).zip(fast_at.chunks(ROWS_PER_STATEMENT)) {
+            let ids = intake_chunk!(chunk, $conn, $($await)*);
+            for (i, id) in at.iter().zip(ids) {
+                out[*i] = Some(Enqueued::New(id));
+            }
+        }
+        out.into_iter().map(|e| e.expect("every message was written")).collect::<Vec<Enqueued>>()
+    }};
 }
 
 /// Runs the insert of `chunk` in its cheapest form: one row or many, and `ON CONFLICT DO NOTHING`
@@ -289,23 +394,7 @@ pub fn enqueue(conn: &mut PgConnection, msg: &Message) -> Result<Enqueued> {
 /// messages are validated before anything is sent. Returns one [`Enqueued`] per input, in order.
 pub fn enqueue_many(conn: &mut PgConnection, msgs: &[Message]) -> Result<Vec<Enqueued>> {
     use diesel::RunQueryDsl;
-    let rows = rows(msgs)?;
-    if let Some((topics, keys)) = ordered_keys(&rows) {
-        diesel::select(lock_keys(topics, keys)).get_result::<i64>(conn)?;
-    }
-    let mut out = Vec::with_capacity(rows.len());
-    for chunk in rows.chunks(ROWS_PER_STATEMENT) {
-        let inserted = insert_chunk!(chunk, conn,);
-        let ids = match_inserted(chunk, inserted);
-        let keys = duplicate_keys(chunk, &ids);
-        let existing = if keys.is_empty() {
-            Vec::new()
-        } else {
-            duplicates_query!(&keys).load(conn)?
-        };
-        out.extend(resolve(chunk, ids, existing));
-    }
-    Ok(out)
+    Ok(enqueue_rows!(rows(msgs)?, conn,))
 }
 
 /// [`enqueue`] for a `diesel_async::AsyncPgConnection`.
@@ -326,25 +415,7 @@ pub async fn enqueue_many_async(
     msgs: &[Message],
 ) -> Result<Vec<Enqueued>> {
     use diesel_async::RunQueryDsl;
-    let rows = rows(msgs)?;
-    if let Some((topics, keys)) = ordered_keys(&rows) {
-        diesel::select(lock_keys(topics, keys))
-            .get_result::<i64>(conn)
-            .await?;
-    }
-    let mut out = Vec::with_capacity(rows.len());
-    for chunk in rows.chunks(ROWS_PER_STATEMENT) {
-        let inserted = insert_chunk!(chunk, conn, .await);
-        let ids = match_inserted(chunk, inserted);
-        let keys = duplicate_keys(chunk, &ids);
-        let existing = if keys.is_empty() {
-            Vec::new()
-        } else {
-            duplicates_query!(&keys).load(conn).await?
-        };
-        out.extend(resolve(chunk, ids, existing));
-    }
-    Ok(out)
+    Ok(enqueue_rows!(rows(msgs)?, conn, .await))
 }
 
 #[cfg(test)]

@@ -34,6 +34,24 @@ pub mod postbox {
 
     diesel::table! {
         use diesel::sql_types::*;
+        use super::sql_types::Xid8;
+
+        postbox.intake (xid, id) {
+            id -> Int8,
+            xid -> Xid8,
+            topic -> Text,
+            key -> Nullable<Text>,
+            payload -> Jsonb,
+            headers -> Jsonb,
+            priority -> Int2,
+            run_at -> Timestamptz,
+            max_attempts -> Int4,
+            created_at -> Timestamptz,
+        }
+    }
+
+    diesel::table! {
+        use diesel::sql_types::*;
         use super::sql_types::MessageState;
         use super::sql_types::Xid8;
 
@@ -62,5 +80,5 @@ pub mod postbox {
         }
     }
 
-    diesel::allow_tables_to_appear_in_same_query!(dead_letters, messages,);
+    diesel::allow_tables_to_appear_in_same_query!(dead_letters, intake, messages,);
 }

@@ -81,6 +81,7 @@ async fn cancelled_messages_go_to_the_dead_letters_and_running_ones_are_not_retr
         }
     );
     assert!(t.iter().all(|&id| reason(id) == 1));
+    common::move_intake(&db);
     assert_eq!(state(u[0]), 1);
 
     // The head of an ordered key: the next one takes its place.
@@ -141,6 +142,7 @@ async fn a_message_cancelled_while_running_and_then_snoozed_is_a_cancelled_dead_
     let db = TestDb::migrated();
     let store = db.store().await;
     let ids = enqueue(&db, vec![Message::new("s")]);
+    common::move_intake(&db);
     db.exec(&format!(
         "UPDATE postbox.messages SET last_error = 'earlier', first_error = 'first' WHERE id = {}",
         ids[0]

@@ -13,8 +13,11 @@ use diesel::{Connection, RunQueryDsl};
 use diesel_async::AsyncConnection;
 use postbox::{Enqueued, InvalidMessage, Message, Topics};
 
+/// Messages that exist: in the queue, or in the intake until a relay moves them.
 fn count(db: &TestDb) -> i64 {
-    db.scalar("SELECT count(*) AS v FROM postbox.messages")
+    db.scalar(
+        "SELECT (SELECT count(*) FROM postbox.messages) + (SELECT count(*) FROM postbox.intake) AS v",
+    )
 }
 
 fn business_table(db: &TestDb) {
@@ -148,6 +151,8 @@ fn builder_fields_reach_the_row() {
     )
     .unwrap();
     let (full, plain) = (out[0].id().unwrap(), out[1].id().unwrap());
+    // The unordered one went to the intake; moved, every field is the message's.
+    assert_eq!(common::move_intake(&db), 1);
     let ok = db.scalar(&format!(
         "SELECT count(*) AS v FROM postbox.messages WHERE id = {full} AND topic = 'invoice.due'
          AND key = 'cust-1' AND ordered AND payload = '{{\"n\": 5}}' AND headers = '{{\"trace\": \"abc\"}}'
@@ -170,8 +175,10 @@ fn builder_fields_reach_the_row() {
     .unwrap()
     .id()
     .unwrap();
+    assert_eq!(common::move_intake(&db), 1);
     let delayed = db.scalar(&format!(
-        "SELECT count(*) AS v FROM postbox.messages WHERE id = {id} AND run_at > now() + interval '59 minutes'"
+        "SELECT count(*) AS v FROM postbox.messages WHERE id = {id} AND run_at > now() + interval '59 minutes'
+         AND state = 'scheduled'"
     ));
     assert_eq!(delayed, 1);
 }
@@ -309,6 +316,7 @@ fn enqueue_many_of_1000_is_one_round_trip() {
     // Ids come back in input order and match the rows.
     let ids: Vec<i64> = out.iter().map(|e| e.id().unwrap()).collect();
     assert!(ids.windows(2).all(|w| w[0] < w[1]));
+    assert_eq!(common::move_intake(&db), 1000);
     let matching = db.scalar(&format!(
         "SELECT count(*) AS v FROM postbox.messages WHERE id = {} AND payload = '999' AND key = 'k999'",
         ids[999]
@@ -580,7 +588,7 @@ fn enqueue_in_a_transaction_returning_query_result() {
 #[test]
 fn a_database_error_says_its_text_once() {
     let db = TestDb::migrated();
-    db.exec("ALTER TABLE postbox.messages RENAME TO gone");
+    db.exec("ALTER TABLE postbox.intake RENAME TO gone");
     let e = postbox::enqueue(&mut db.conn(), &Message::new("t")).unwrap_err();
     assert!(matches!(e, postbox::Error::Database(_)), "{e:?}");
     let chain = format!("{:#}", anyhow::Error::from(e));

@@ -372,7 +372,8 @@ async fn drain(world: &World, store: &Store, db: &TestDb) {
     store.resume(&["m".to_owned()]).await.unwrap();
     loop {
         db.exec(
-            "UPDATE postbox.messages SET run_at = now() WHERE state = 'scheduled';
+            "UPDATE postbox.intake SET run_at = now() WHERE run_at > now();
+             UPDATE postbox.messages SET run_at = now() WHERE state = 'scheduled';
              UPDATE postbox.messages SET locked_until = now() - interval '1 second'
              WHERE state = 'running' AND lease_token <> 0",
         );
@@ -394,7 +395,12 @@ async fn drain(world: &World, store: &Store, db: &TestDb) {
                 }
             }
         }
-        if db.scalar("SELECT count(*) AS v FROM postbox.messages") == 0 {
+        // What no relay has moved yet is left too (the intake: unordered messages without a
+        // dedup key, as their writers committed them).
+        if db.scalar(
+            "SELECT (SELECT count(*) FROM postbox.messages) + (SELECT count(*) FROM postbox.intake) AS v",
+        ) == 0
+        {
             return;
         }
         assert!(Instant::now() < deadline, "the drain never ended");

@@ -52,6 +52,7 @@ async fn a_trace_started_at_enqueue_continues_in_the_handler_and_retries_link_to
         )
     };
     request_cx.span().end();
+    common::move_intake(&db);
     let headers = |id: i64| {
         db.scalar(&format!(
             "SELECT count(*) AS v FROM postbox.messages WHERE id = {id} AND headers->>'traceparent' = '00-{}-{}-01'",

@@ -453,7 +453,12 @@ impl Producer {
             }
             if self.config.drain {
                 if got == 0 && idle_before && self.idle(&tasks) {
-                    return tasks;
+                    // What writers committed to the intake since the last claim's move (which
+                    // another relay's move may have found taken) is part of what is left.
+                    if self.store.move_intake_all().await.unwrap_or(0) == 0 {
+                        return tasks;
+                    }
+                    continue;
                 }
                 if got == 0 {
                     // What is left comes from our own outcomes: the completer wakes us.

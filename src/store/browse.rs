@@ -200,8 +200,22 @@ struct Row {
     headers: Option<String>,
 }
 
-/// The page query of `table`: the window below the cursor, the filter on it, the page.
+/// The live messages as a page reads them: `postbox.messages` and what writers committed to
+/// `postbox.intake` that no relay has moved yet (available, or scheduled, never attempted).
+const LIVE_MESSAGES: &str = "(SELECT id, topic, key, ordered, state, attempts, max_attempts, created_at, run_at,
+        last_error, payload, headers FROM postbox.messages
+    UNION ALL
+    SELECT id, topic, key, false, CASE WHEN run_at > now() THEN 'scheduled' ELSE 'available' END::postbox.message_state,
+        0, max_attempts, created_at, run_at, NULL::text, payload, headers FROM postbox.intake)";
+
+/// The page query of `table` (a table of schema postbox, or a subquery): the window below the
+/// cursor, the filter on it, the page.
 fn page_sql(table: &str, state: &str, at: &str, error: &str) -> String {
+    let table = if table.starts_with('(') {
+        format!("{table} AS live")
+    } else {
+        format!("postbox.{table}")
+    };
     // One pass over the window for the page (the primary key backwards, the filter on each row)
     // and one over its ids alone (an index-only scan) for how far it reached. Payloads and
     // headers leave the database as previews: one character more than shown tells a cut one.
@@ -210,7 +224,7 @@ fn page_sql(table: &str, state: &str, at: &str, error: &str) -> String {
     format!(
         "SELECT edge.low, edge.n, r.* FROM (
             SELECT min(id) AS low, count(*)::bigint AS n FROM (
-                SELECT id FROM postbox.{table} WHERE id < $1 ORDER BY id DESC LIMIT $2) w
+                SELECT id FROM {table} WHERE id < $1 ORDER BY id DESC LIMIT $2) w
          ) edge LEFT JOIN LATERAL (
             SELECT t.id, t.topic, left(t.key, {cut}) AS key, t.ordered, {state} AS state, t.attempts,
                    t.max_attempts, t.created_at, {at} AS at, left({error}, {cut}) AS error,
@@ -219,7 +233,7 @@ fn page_sql(table: &str, state: &str, at: &str, error: &str) -> String {
                    CASE WHEN $3 THEN pg_column_size(t.payload) END AS payload_bytes,
                    CASE WHEN pg_column_size(t.headers) <= {source_max}
                         THEN left(t.headers::text, {cut}) END AS headers
-            FROM (SELECT * FROM postbox.{table} WHERE id < $1 ORDER BY id DESC LIMIT $2) t
+            FROM (SELECT * FROM {table} WHERE id < $1 ORDER BY id DESC LIMIT $2) t
             WHERE ($4::bigint IS NULL OR t.id >= $4)
               AND ($5::bigint IS NULL OR t.id <= $5)
               AND (cardinality($6::text[]) = 0 OR t.topic LIKE ANY ($6::text[]))
@@ -245,7 +259,7 @@ impl Store {
         limit: usize,
         with_payloads: bool,
     ) -> Result<Browsed<MessageRow>> {
-        let sql = page_sql("messages", "t.state::text", "t.run_at", "t.last_error");
+        let sql = page_sql(LIVE_MESSAGES, "t.state::text", "t.run_at", "t.last_error");
         self.browse(&sql, filter, before, limit, with_payloads)
             .await
     }

@@ -36,6 +36,25 @@ const CHOOSE: &str = "SELECT id FROM postbox.messages
 WHERE id = ANY($1::bigint[]) OR ($2::text IS NOT NULL AND topic = $2)
 ORDER BY state = 'waiting', id FOR NO KEY UPDATE";
 
+/// What writers committed to the intake and no relay has moved yet: straight to the dead letters
+/// (a move racing this waits for it, then finds the row gone; a row it moved first is in
+/// `postbox.messages` for [`CHOOSE`], a later statement).
+const BURY_INTAKE: &str = "WITH gone AS (
+    DELETE FROM postbox.intake WHERE id = ANY($1::bigint[]) OR ($2::text IS NOT NULL AND topic = $2)
+    RETURNING *
+), buried AS (
+    INSERT INTO postbox.dead_letters (id, topic, key, ordered, payload, headers, priority, attempts,
+        max_attempts, created_at, reason)
+    SELECT id, topic, key, false, payload, headers, priority, 0, max_attempts, created_at, 'cancelled'
+    FROM gone
+    RETURNING id
+)
+SELECT id FROM buried";
+
+/// Whether the intake holds any of them.
+const IN_INTAKE: &str = "SELECT id FROM postbox.intake
+WHERE id = ANY($1::bigint[]) OR ($2::text IS NOT NULL AND topic = $2) LIMIT 1";
+
 /// Those not running, to the dead letters; their ordered keys for the promotion: after each head
 /// taken out (not kept for a writer of its key), and of a key whose waiting messages were taken
 /// while its head was gone (a held batch's end that met this cancel's lock on its next message
@@ -114,6 +133,24 @@ impl Store {
         let mut conn = self.conn().await?;
         let (dead, running) = conn
             .transaction(async |conn| {
+                // Looked for first: the burial is an insert into the dead letters, whose
+                // statement triggers would fire for nothing.
+                let in_intake = !diesel::sql_query(IN_INTAKE)
+                    .bind::<Array<BigInt>, _>(ids)
+                    .bind::<Nullable<Text>, _>(topic)
+                    .load::<Id>(conn)
+                    .await?
+                    .is_empty();
+                let intake = if in_intake {
+                    diesel::sql_query(BURY_INTAKE)
+                        .bind::<Array<BigInt>, _>(ids)
+                        .bind::<Nullable<Text>, _>(topic)
+                        .load::<Id>(conn)
+                        .await?
+                        .len()
+                } else {
+                    0
+                };
                 let chosen: Vec<i64> = diesel::sql_query(CHOOSE)
                     .bind::<Array<BigInt>, _>(ids)
                     .bind::<Nullable<Text>, _>(topic)
@@ -140,7 +177,7 @@ impl Store {
                     .load::<Id>(conn)
                     .await?
                     .len();
-                Ok::<_, diesel::result::Error>((buried.n as usize, running))
+                Ok::<_, diesel::result::Error>((intake + buried.n as usize, running))
             })
             .await?;
         Ok(Cancelled { dead, running })

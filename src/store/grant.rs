@@ -4,7 +4,8 @@
 //! - A **writer** enqueues (sync, async, plain SQL) and publishes, and nothing else: INSERT on the
 //!   message columns an app sets, SELECT on the three columns an insert returns (id, topic,
 //!   dedup key; never a payload), the relays listening for a wake-up, and the stream's slot list
-//!   that `postbox.publish` checks. What its insert runs besides (a key's order, the commit
+//!   that `postbox.publish` checks; the same for `postbox.intake`, whose ids it draws from the
+//!   messages' sequence (USAGE: `nextval`, nothing else). What its insert runs besides (a key's order, the commit
 //!   check) runs as the schema's owner (migration `least_privilege`).
 //! - A **relay** reads and writes every postbox table, runs every postbox function (the
 //!   retention upkeep's included), and changes no schema.
@@ -70,6 +71,13 @@ const READ: Option<&str> = Some("SELECT");
 pub const TABLES: &[TableAccess] = &[
     TableAccess {
         table: "messages",
+        relay: ALL_DML,
+        operator: ALL_DML,
+    },
+    // Unordered messages as their writers committed them (migration `intake`); the relay moves
+    // them into messages, an operator may cancel one there.
+    TableAccess {
+        table: "intake",
         relay: ALL_DML,
         operator: ALL_DML,
     },
@@ -154,6 +162,8 @@ pub const TABLES: &[TableAccess] = &[
 /// The columns of `postbox.messages` an app sets when it enqueues.
 const WRITER_INSERT: &str =
     "topic, key, ordered, payload, headers, priority, run_at, max_attempts, dedup_key";
+/// The columns of `postbox.intake` an app sets when it enqueues.
+const INTAKE_INSERT: &str = "topic, key, payload, headers, priority, run_at, max_attempts";
 /// The columns an enqueue reads back (RETURNING, and a dedup key's live holder).
 const WRITER_SELECT: &str = "id, topic, dedup_key";
 /// Functions that run as the schema's owner and are for the relay alone.
@@ -185,6 +195,15 @@ pub fn grant_sql(kind: RoleKind, role: &str) -> Vec<String> {
             ));
             sql.push(format!(
                 "GRANT SELECT ({WRITER_SELECT}) ON postbox.messages TO {r}"
+            ));
+            // The intake (unordered messages without a dedup key): the same columns, and the ids
+            // its rows draw from the messages' sequence.
+            sql.push(format!(
+                "GRANT INSERT ({INTAKE_INSERT}) ON postbox.intake TO {r}"
+            ));
+            sql.push(format!("GRANT SELECT (id, topic) ON postbox.intake TO {r}"));
+            sql.push(format!(
+                "GRANT USAGE ON SEQUENCE postbox.messages_id_seq TO {r}"
             ));
             // What the insert's wake-up and `postbox.publish` look at: no message in either.
             sql.push(format!("GRANT SELECT ON postbox.listeners TO {r}"));

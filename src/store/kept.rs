@@ -136,10 +136,11 @@ impl Store {
 }
 
 impl Store {
-    /// [`Store::finish_kept_heads`] before a claim. Its failure is the claim's to meet (the
+    /// [`Store::finish_kept_heads`] and [`Store::move_intake`] before a claim. Its failure is the claim's to meet (the
     /// claim that follows fails the same way, or the next one finishes what this one could not).
     pub(super) async fn finish_before_claim(&self) {
         let _ = self.finish_kept_heads().await;
+        self.move_before_claim().await;
     }
 }
 

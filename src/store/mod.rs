@@ -179,6 +179,8 @@ pub mod grant;
 #[cfg(feature = "async")]
 mod hold;
 #[cfg(feature = "async")]
+mod intake;
+#[cfg(feature = "async")]
 mod kept;
 #[cfg(feature = "async")]
 mod lenient;
@@ -215,6 +217,7 @@ pub use self::{
     dead::{DeadLetter, DeadSelector, ReplayReport},
     explain::SettleStatement,
     hold::{HOLD_GRACE, Hold, HoldEnded, TakePosition},
+    intake::MOVE_BATCH,
     kept::{FINISH_BATCH, Finished},
     limit::Limit,
     listen::{listen, register_listener, still_running, unregister_listener},
@@ -287,6 +290,8 @@ mod pool {
         pub(crate) floors: Arc<std::sync::Mutex<std::collections::HashMap<Option<String>, String>>>,
         /// Where the upkeep's walks start (see the migration `upkeep_windows`).
         pub(crate) upkeep: Arc<super::upkeep::Windows>,
+        /// Where this store's next move of `postbox.intake` starts (see the migration `intake`).
+        pub(crate) intake: Arc<super::intake::IntakeFloor>,
     }
 
     impl std::fmt::Debug for Store {
@@ -311,6 +316,7 @@ mod pool {
                 kept: super::kept::new_kept(),
                 floors: Arc::default(),
                 upkeep: Arc::default(),
+                intake: Arc::default(),
             }
         }
 

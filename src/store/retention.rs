@@ -205,6 +205,10 @@ SELECT 'queued' AS place, id, topic, KEY, state::text AS state, attempts, max_at
        PAYLOAD, HEADERS, 0 AS rank, now() AS sort
 FROM postbox.messages WHERE id = $1
 UNION ALL
+SELECT 'queued', id, topic, KEY, CASE WHEN run_at > now() THEN 'scheduled' ELSE 'available' END, 0, max_attempts,
+       created_at, run_at, NULL::text, TEXT(NULL::text), TEXT(NULL::text), PAYLOAD, HEADERS, 0, now()
+FROM postbox.intake WHERE id = $1
+UNION ALL
 SELECT 'dead', id, topic, KEY, NULL, attempts, max_attempts, created_at, dead_at,
        TEXT(reason), TEXT(last_error), TEXT(first_error), PAYLOAD, HEADERS, 1, dead_at
 FROM postbox.dead_letters WHERE id = $1

@@ -40,6 +40,10 @@ impl Store {
     /// [`PROMOTE_BATCH`] per call, and says when the next one is due. Safe on every replica at
     /// once; waiting relays are woken when something was promoted.
     pub async fn promote_due(&self) -> Result<Promoted> {
+        // Delayed messages in the intake become scheduled rows when they are moved: the
+        // scheduler moves too (so it knows when they are due, and what writers committed moves at
+        // least every schedule interval even while nothing claims).
+        self.move_before_claim().await;
         let pass = self.upkeep.pass(Walk::Promote);
         let mut conn = self.conn().await?;
         let r: Row = diesel::sql_query(PROMOTE_DUE)

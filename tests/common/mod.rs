@@ -216,6 +216,14 @@ impl Drop for TestDb {
     }
 }
 
+/// Moves what writers committed to `postbox.intake` (unordered messages without a dedup key)
+/// into `postbox.messages`, as a relay does before it claims: for a test that reads
+/// `postbox.messages` after an enqueue. Returns how many were moved.
+#[allow(dead_code)]
+pub fn move_intake(db: &TestDb) -> i64 {
+    db.scalar("SELECT coalesce(sum(moved), 0)::bigint AS v FROM postbox.move_intake(1000000, NULL)")
+}
+
 /// Enqueues `msgs` in one call on a connection of its own; their ids.
 pub fn enqueue(db: &TestDb, msgs: Vec<postbox::Message>) -> Vec<i64> {
     postbox::enqueue_many(&mut db.conn(), &msgs)
