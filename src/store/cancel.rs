@@ -39,9 +39,15 @@ ORDER BY state = 'waiting', id FOR NO KEY UPDATE";
 /// What writers committed to the intake and no relay has moved yet: straight to the dead letters
 /// (a move racing this waits for it, then finds the row gone; a row it moved first is in
 /// `postbox.messages` for [`CHOOSE`], a later statement).
-const BURY_INTAKE: &str = "WITH gone AS (
-    DELETE FROM postbox.intake WHERE id = ANY($1::bigint[]) OR ($2::text IS NOT NULL AND topic = $2)
-    RETURNING *
+const BURY_INTAKE: &str = "WITH chosen AS (
+    -- Locked in the move's order, (xid, id): a cancel and a move never wait for each other in a
+    -- cycle.
+    SELECT xid, id FROM postbox.intake
+    WHERE id = ANY($1::bigint[]) OR ($2::text IS NOT NULL AND topic = $2)
+    ORDER BY xid, id FOR UPDATE
+), gone AS (
+    DELETE FROM postbox.intake t USING chosen c WHERE t.xid = c.xid AND t.id = c.id
+    RETURNING t.*
 ), buried AS (
     INSERT INTO postbox.dead_letters (id, topic, key, ordered, payload, headers, priority, attempts,
         max_attempts, created_at, reason)

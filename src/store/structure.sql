@@ -1260,6 +1260,9 @@ CREATE FUNCTION postbox.move_intake(p_max integer, p_floor text DEFAULT NULL::te
     SET enable_bitmapscan TO 'off'
     SET enable_sort TO 'off'
     SET enable_incremental_sort TO 'off'
+    SET enable_hashjoin TO 'off'
+    SET enable_mergejoin TO 'off'
+    SET plan_cache_mode TO 'force_generic_plan'
     SET jit TO 'off'
     SET max_parallel_workers_per_gather TO '0'
     AS $$
@@ -1283,6 +1286,12 @@ BEGIN
     IF p_max IS NULL OR p_max < 1 THEN
         RAISE EXCEPTION 'postbox.move_intake: p_max must be at least 1, not %', p_max
             USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- In a writer's transaction, the writer's own rows would be moved and its id left below the
+    -- floor, where what it writes next would never be found.
+    IF pg_current_xact_id_if_assigned() IS NOT NULL THEN
+        RAISE EXCEPTION 'postbox.move_intake runs in a transaction of its own, not in one that has written'
+            USING ERRCODE = 'invalid_transaction_state';
     END IF;
     IF NOT pg_try_advisory_xact_lock(1886352244, 1) THEN
         RETURN QUERY SELECT 0, p_floor;
@@ -1314,7 +1323,9 @@ BEGIN
         v_moved := 0;
     ELSE
     -- One statement, one snapshot: what it picks, what it moves and the snapshot the next floor
-    -- is made of.
+    -- is made of. Its rows are deleted in (xid, id) order, by primary key (a generic plan from
+    -- the first call, no hash join: a custom plan sized for p_max rows joined a scan of the whole
+    -- index, every entry a pinned horizon keeps); a cancel locks them in the same order.
     WITH pick AS MATERIALIZED (
         SELECT c.xid, c.id, c.pending FROM (
             (SELECT w.xid, w.id, true AS pending
