@@ -192,7 +192,7 @@ async fn a_writer_enqueues_and_publishes_and_can_do_nothing_else() {
         ),
         1
     );
-    // Delayed and unordered, it went to the intake; moved (a relay's work), it is scheduled.
+    // Wherever it went (the intake, with its routing on), moved by a relay it is scheduled.
     common::move_intake(&db);
     assert_eq!(
         scalar(
