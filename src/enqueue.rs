@@ -8,7 +8,7 @@
 //!
 //! The routing of unordered messages without a dedup key to `postbox.intake` (migration
 //! `intake`: a table with a primary key and nothing else on the writer's path, which the relays
-//! move into `postbox.messages` in bulk) is built and off ([`ROUTE_TO_INTAKE`]). Ordered messages
+//! move into `postbox.messages` in bulk) is built and off (`ROUTE_TO_INTAKE`). Ordered messages
 //! and messages with a dedup key are decided at the writer's commit (a key's order, a duplicate)
 //! and are always written to `postbox.messages` directly.
 
