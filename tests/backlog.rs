@@ -867,6 +867,14 @@ fn upgrade_in_place_keeps_messages_in_every_state() {
     let mut migrations = postbox::Migrations::new(&mut conn);
     migrations
         .revert_last_migration(postbox::MIGRATIONS)
+        .unwrap(); // intake_due: the move that keeps every run_at as written
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.intake"),
+        1,
+        "the intake and its row are still there"
+    );
+    migrations
+        .revert_last_migration(postbox::MIGRATIONS)
         .unwrap(); // the intake: what it holds is moved into postbox.messages
     assert_eq!(
         db.scalar(

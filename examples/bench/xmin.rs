@@ -19,6 +19,13 @@
 //! held batch of 100 (`Store::explain_hold`, what the engine runs while there is a backlog), the table's dead tuples
 //! and size, and the depth. Then the ratios: p99 and claim cost of the last pinned minute
 //! against the clean minutes, and how long after the release p99 was back within 2× clean.
+//!
+//! With `POSTBOX_BENCH_XMIN_TRACE` set: one clean minute only, every message's life traced by
+//! triggers of the bench's cluster (written to the intake, moved, made available, claimed,
+//! deleted: each event's time and its transaction's commit time, `track_commit_timestamp`), and
+//! every claim's floors (given, kept, left, taken ids); the 40 slowest messages are printed, the
+//! events and the handler's times left in `/tmp/xmin-trace.csv`, `/tmp/xmin-floor.csv` and
+//! `/tmp/xmin-handled.csv`. This is how a delay between two stages is found.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -115,7 +122,7 @@ impl Cluster {
              -c session_preload_libraries=auto_explain -c auto_explain.log_min_duration={explain_ms} \
              -c auto_explain.log_nested_statements=on -c auto_explain.log_buffers=on \
              -c auto_explain.log_analyze=on -c auto_explain.log_timing=off \
-             -c log_autovacuum_min_duration=0",
+             -c log_autovacuum_min_duration=0 -c track_commit_timestamp=on",
             c.port,
             c.dir.to_str().unwrap()
         );
@@ -254,17 +261,27 @@ pub async fn run(rate: u64, pin_minutes: u64, topics: usize, glob: bool) {
     let cluster = Cluster::start();
     let url = cluster.url();
     postbox::migrate(&mut PgConnection::establish(&url).unwrap()).unwrap();
+    let trace = std::env::var_os("POSTBOX_BENCH_XMIN_TRACE").is_some();
+    if trace {
+        PgConnection::establish(&url)
+            .unwrap()
+            .batch_execute(TRACE_SETUP)
+            .unwrap();
+    }
     let latencies: Arc<Mutex<Vec<f64>>> = Arc::default();
     let delivered = Arc::new(AtomicU64::new(0));
     let produced = Arc::new(AtomicU64::new(0));
     let seen = latencies.clone();
     let count = delivered.clone();
+    let handled: Arc<Mutex<Vec<(i64, i64)>>> = Arc::default();
     let mut handlers = Handlers::new();
     for name in &names {
-        let (seen, count) = (seen.clone(), count.clone());
+        let (seen, count, handled) = (seen.clone(), count.clone(), handled.clone());
         handlers = handlers.on(name, move |job: Job<serde_json::Value>| {
-            let ms = (micros_now() - job.payload["t"].as_i64().unwrap_or(0)) as f64 / 1000.0;
+            let now = micros_now();
+            let ms = (now - job.payload["t"].as_i64().unwrap_or(0)) as f64 / 1000.0;
             seen.lock().unwrap().push(ms);
+            handled.lock().unwrap().push((job.id, now));
             count.fetch_add(1, Ordering::Relaxed);
             async { Ok(()) }
         });
@@ -310,7 +327,11 @@ pub async fn run(rate: u64, pin_minutes: u64, topics: usize, glob: bool) {
         }));
     }
 
-    let total = CLEAN_MINUTES + pin_minutes + AFTER_MINUTES;
+    let total = if trace {
+        1
+    } else {
+        CLEAN_MINUTES + pin_minutes + AFTER_MINUTES
+    };
     let mut pin: Option<PgConnection> = None;
     let mut stats = PgConnection::establish(&url).unwrap();
     let mut minutes: Vec<Minute> = Vec::new();
@@ -401,6 +422,10 @@ pub async fn run(rate: u64, pin_minutes: u64, topics: usize, glob: bool) {
     }
     shutdown.cancel();
     running.await.unwrap().unwrap();
+    if trace {
+        report_trace(&mut stats, &handled.lock().unwrap());
+        return;
+    }
 
     let of = |phase: &str| {
         minutes
@@ -440,4 +465,75 @@ pub async fn run(rate: u64, pin_minutes: u64, topics: usize, glob: bool) {
     println!("xmin_produced={}", produced.load(Ordering::Relaxed));
     println!("xmin_not_delivered={lost}");
     drop(cluster);
+}
+
+/// `POSTBOX_BENCH_XMIN_TRACE`: what happened to each message, by the server's commit timestamps
+/// (`track_commit_timestamp`): written (the writer's insert and its commit), moved (the mover's
+/// insert into postbox.messages and its commit), claimed (the update to running and its commit).
+const TRACE_SETUP: &str = "
+CREATE UNLOGGED TABLE public.trace (id bigint, ev \"char\", at timestamptz DEFAULT clock_timestamp(), x xid8 DEFAULT pg_current_xact_id());
+CREATE FUNCTION public.trace_w() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN INSERT INTO public.trace (id, ev) VALUES (NEW.id, TG_ARGV[0]); RETURN NULL; END $$;
+CREATE TRIGGER trace_w AFTER INSERT ON postbox.intake FOR EACH ROW EXECUTE FUNCTION public.trace_w('w');
+CREATE TRIGGER trace_m AFTER INSERT ON postbox.messages FOR EACH ROW EXECUTE FUNCTION public.trace_w('m');
+CREATE UNLOGGED TABLE public.trace_floor (at timestamptz, pid int, x xid8, given text, had text, snap text, left_ text, ids bigint[]);
+DO $d$ DECLARE d text; BEGIN
+  d := pg_get_functiondef('postbox.claim_ready(text,integer,double precision,bigint,text,text)'::regprocedure);
+  d := replace(d, 'PERFORM set_config(v_setting,', 'INSERT INTO public.trace_floor VALUES (clock_timestamp(), pg_backend_pid(), pg_current_xact_id_if_assigned(), p_floors, current_setting(v_setting, true), v_snap::text, pg_snapshot_xmax(v_snap)::text || '';'' || array_to_string(v_running, '','') || '';'' || array_to_string(v_out, '',''), v_ids); PERFORM set_config(v_setting,');
+  EXECUTE d;
+END $d$;
+CREATE TRIGGER trace_c AFTER UPDATE ON postbox.messages FOR EACH ROW WHEN (NEW.state = 'running' AND OLD.state <> 'running') EXECUTE FUNCTION public.trace_w('c');
+CREATE TRIGGER trace_a AFTER UPDATE ON postbox.messages FOR EACH ROW WHEN (NEW.state = 'available') EXECUTE FUNCTION public.trace_w('a');
+CREATE FUNCTION public.trace_d() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN INSERT INTO public.trace (id, ev) VALUES (OLD.id, 'd'); RETURN NULL; END $$;
+CREATE TRIGGER trace_d AFTER DELETE ON postbox.messages FOR EACH ROW EXECUTE FUNCTION public.trace_d();
+";
+
+#[derive(QueryableByName)]
+struct Traced {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    id: i64,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    line: String,
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    committed_us: i64,
+}
+
+fn report_trace(conn: &mut PgConnection, handled: &[(i64, i64)]) {
+    // Kept for a closer look: the server writes the events, this the handler's times.
+    conn.batch_execute(
+        "COPY (SELECT id, ev, (extract(epoch FROM at) * 1000000)::bigint, x,
+                      (extract(epoch FROM pg_xact_commit_timestamp(xid(x))) * 1000000)::bigint
+               FROM public.trace) TO '/tmp/xmin-trace.csv' CSV;
+         COPY (SELECT (extract(epoch FROM at) * 1000000)::bigint, pid, x, given, had, snap, left_, ids FROM public.trace_floor) TO '/tmp/xmin-floor.csv' CSV",
+    )
+    .unwrap();
+    let csv: String = handled
+        .iter()
+        .map(|(id, at)| format!("{id},{at}\n"))
+        .collect();
+    std::fs::write("/tmp/xmin-handled.csv", csv).unwrap();
+    let rows: Vec<Traced> = diesel::sql_query(
+        "SELECT id, string_agg(ev::text || ' at+' || round(extract(epoch FROM at - first) * 1000, 1)
+                                || ' commit+' || coalesce(round(extract(epoch FROM pg_xact_commit_timestamp(xid(x)) - first) * 1000, 1)::text, '?')
+                                || ' x' || x, ' | ' ORDER BY at) AS line,
+                (extract(epoch FROM min(first)) * 1000000)::bigint AS committed_us
+         FROM (SELECT t.*, min(at) OVER (PARTITION BY id) AS first FROM public.trace t) s
+         GROUP BY id",
+    )
+    .load(conn)
+    .unwrap();
+    let by_id: std::collections::HashMap<i64, &Traced> = rows.iter().map(|r| (r.id, r)).collect();
+    let mut lat: Vec<(i64, i64)> = handled
+        .iter()
+        .filter_map(|(id, at)| by_id.get(id).map(|r| (at - r.committed_us, *id)))
+        .collect();
+    lat.sort();
+    println!(
+        "trace: {} messages; slowest 40 (ms from the first event to the handler):",
+        lat.len()
+    );
+    for (us, id) in lat.iter().rev().take(40) {
+        println!("{:>8.1} id {id}: {}", *us as f64 / 1000.0, by_id[id].line);
+    }
 }

@@ -1346,7 +1346,10 @@ BEGIN
     ), put AS (
         INSERT INTO postbox.messages (id, topic, key, payload, headers, priority, run_at, max_attempts, created_at)
         OVERRIDING SYSTEM VALUE
-        SELECT g.id, g.topic, g.key, g.payload, g.headers, g.priority, g.run_at, g.max_attempts, g.created_at
+        SELECT g.id, g.topic, g.key, g.payload, g.headers, g.priority,
+               -- Due by the clock: due in the queue (see the migration's head).
+               CASE WHEN g.run_at <= clock_timestamp() THEN least(g.run_at, now()) ELSE g.run_at END,
+               g.max_attempts, g.created_at
         FROM gone g
         RETURNING 1
     ), last AS (
