@@ -20,7 +20,8 @@
 //! and size, and the depth. Then the ratios: p99 and claim cost of the last pinned minute
 //! against the clean minutes, and how long after the release p99 was back within 2× clean.
 //!
-//! With `POSTBOX_BENCH_XMIN_TRACE` set: one clean minute only, every message's life traced by
+//! With `POSTBOX_BENCH_XMIN_TRACE` set: the clean minutes and the pinned ones (`--pin-minutes 0`:
+//! the clean minutes only), none after; every message's life traced by
 //! triggers of the bench's cluster (written to the intake, moved, made available, claimed,
 //! deleted: each event's time and its transaction's commit time, `track_commit_timestamp`), and
 //! every claim's floors (given, kept, left, taken ids); the 40 slowest messages are printed, the
@@ -328,7 +329,7 @@ pub async fn run(rate: u64, pin_minutes: u64, topics: usize, glob: bool) {
     }
 
     let total = if trace {
-        1
+        (CLEAN_MINUTES + pin_minutes).max(1)
     } else {
         CLEAN_MINUTES + pin_minutes + AFTER_MINUTES
     };

@@ -1,4 +1,6 @@
 -- Back to the move of the migration `intake`, which keeps every run_at as written.
+DROP TRIGGER intake_no_update ON postbox.intake;
+DROP FUNCTION postbox.intake_no_update();
 CREATE OR REPLACE FUNCTION postbox.move_intake(p_max integer, p_floor text DEFAULT NULL)
 RETURNS TABLE (moved integer, floor text)
     LANGUAGE plpgsql SECURITY DEFINER

@@ -965,6 +965,19 @@ CREATE FUNCTION postbox.hand_over(p_topics text[], p_keys text[], p_removed bigi
     AS $$ SELECT * FROM postbox.promote_keys(p_topics, p_keys, p_removed, false, p_limit, p_lease_secs, p_token, p_owner) $$;
 
 --
+-- Name: intake_no_update(); Type: FUNCTION; Schema: postbox; Owner: -
+--
+
+CREATE FUNCTION postbox.intake_no_update() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    RAISE EXCEPTION 'postbox.intake rows are not updated (a relay moves them as they were written): delete the row and insert another'
+        USING ERRCODE = 'feature_not_supported';
+END
+$$;
+
+--
 -- Name: kept_head_lease(); Type: FUNCTION; Schema: postbox; Owner: -
 --
 
@@ -1311,10 +1324,13 @@ BEGIN
     -- Anything to move? An empty move must write nothing: the insert into postbox.messages
     -- fires its wake-up statement trigger even for no row (a transaction id taken, a NOTIFY to
     -- every listening relay, which would claim and move again).
+    -- (Each pending transaction's rows looked up by its id in a LATERAL with a LIMIT, which no
+    -- plan can turn into a scan of the whole index joined afterwards; see the migration's head.)
     SELECT EXISTS (
-               SELECT 1 FROM unnest(v_px, v_pi) AS p(x, i)
-               WHERE pg_visible_in_snapshot(p.x, pg_current_snapshot())
-                 AND EXISTS (SELECT 1 FROM postbox.intake t WHERE t.xid = p.x AND t.id > p.i))
+               SELECT 1 FROM unnest(v_px, v_pi) AS p(x, i),
+                    LATERAL (SELECT 1 FROM postbox.intake t
+                             WHERE t.xid = p.x AND t.id > p.i ORDER BY t.id LIMIT 1) w
+               WHERE pg_visible_in_snapshot(p.x, pg_current_snapshot()))
            OR EXISTS (SELECT 1 FROM postbox.intake t WHERE (t.xid, t.id) > (v_pos_x, v_pos_i)),
            pg_current_snapshot()
     INTO v_any, v_snap;
@@ -1323,25 +1339,27 @@ BEGIN
         v_moved := 0;
     ELSE
     -- One statement, one snapshot: what it picks, what it moves and the snapshot the next floor
-    -- is made of. Its rows are deleted in (xid, id) order, by primary key (a generic plan from
-    -- the first call, no hash join: a custom plan sized for p_max rows joined a scan of the whole
-    -- index, every entry a pinned horizon keeps); a cancel locks them in the same order.
+    -- is made of. Its rows are deleted in (xid, id) order, each by its tuple id (a generic plan
+    -- from the first call, no hash join: a custom plan sized for p_max rows joined a scan of the
+    -- whole index, every entry a pinned horizon keeps; and by primary key, after an ANALYZE that
+    -- saw the intake nearly empty, the plan put that scan outside); a cancel locks them in the
+    -- same order. (A tuple id cannot be reused within the statement: its snapshot keeps the row.)
     WITH pick AS MATERIALIZED (
-        SELECT c.xid, c.id, c.pending FROM (
-            (SELECT w.xid, w.id, true AS pending
+        SELECT c.xid, c.id, c.pending, c.tid FROM (
+            (SELECT w.xid, w.id, true AS pending, w.tid
              FROM unnest(v_px, v_pi) WITH ORDINALITY AS p(x, i, n),
-                  LATERAL (SELECT t.xid, t.id FROM postbox.intake t
+                  LATERAL (SELECT t.xid, t.id, t.ctid AS tid FROM postbox.intake t
                            WHERE t.xid = p.x AND t.id > p.i ORDER BY t.id LIMIT p_max) w
              WHERE pg_visible_in_snapshot(p.x, pg_current_snapshot()))
             UNION ALL
-            (SELECT t.xid, t.id, false FROM postbox.intake t
+            (SELECT t.xid, t.id, false, t.ctid FROM postbox.intake t
              WHERE (t.xid, t.id) > (v_pos_x, v_pos_i)
              ORDER BY t.xid, t.id LIMIT p_max)
         ) c
         LIMIT p_max
     ), gone AS (
         DELETE FROM postbox.intake t USING pick
-        WHERE t.xid = pick.xid AND t.id = pick.id
+        WHERE t.ctid = pick.tid AND t.xid = pick.xid AND t.id = pick.id
         RETURNING t.*
     ), put AS (
         INSERT INTO postbox.messages (id, topic, key, payload, headers, priority, run_at, max_attempts, created_at)
@@ -3450,6 +3468,12 @@ CREATE INDEX messages_stalled_idx ON postbox.messages USING btree (created_at) W
 --
 
 CREATE INDEX messages_waiting_idx ON postbox.messages USING btree (topic, key, id) WHERE (state = 'waiting'::postbox.message_state);
+
+--
+-- Name: intake intake_no_update; Type: TRIGGER; Schema: postbox; Owner: -
+--
+
+CREATE TRIGGER intake_no_update BEFORE UPDATE ON postbox.intake FOR EACH ROW EXECUTE FUNCTION postbox.intake_no_update();
 
 --
 -- Name: intake intake_wake; Type: TRIGGER; Schema: postbox; Owner: -
