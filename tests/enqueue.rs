@@ -588,12 +588,15 @@ fn enqueue_in_a_transaction_returning_query_result() {
 #[test]
 fn a_database_error_says_its_text_once() {
     let db = TestDb::migrated();
-    db.exec("ALTER TABLE postbox.messages RENAME TO gone");
-    let e = postbox::enqueue(&mut db.conn(), &Message::new("t")).unwrap_err();
-    assert!(matches!(e, postbox::Error::Database(_)), "{e:?}");
-    let chain = format!("{:#}", anyhow::Error::from(e));
-    assert_eq!(chain.matches("does not exist").count(), 1, "{chain}");
-    assert!(chain.starts_with("database: "), "{chain}");
+    // The table each kind goes to: the queue (ordered), the intake (unordered).
+    db.exec("ALTER TABLE postbox.messages RENAME TO gone; ALTER TABLE postbox.intake RENAME TO gone_too");
+    for m in [Message::new("t").key("k").ordered(), Message::new("t")] {
+        let e = postbox::enqueue(&mut db.conn(), &m).unwrap_err();
+        assert!(matches!(e, postbox::Error::Database(_)), "{e:?}");
+        let chain = format!("{:#}", anyhow::Error::from(e));
+        assert_eq!(chain.matches("does not exist").count(), 1, "{chain}");
+        assert!(chain.starts_with("database: "), "{chain}");
+    }
 }
 
 /// A batch of one ordered key whose unordered dedup row comes first must take the key's writer

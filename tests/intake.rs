@@ -203,6 +203,17 @@ fn intake_entries_read(db: &TestDb, sql: &str) -> i64 {
     read(&mut conn) - before
 }
 
+/// A session holding the horizon with a transaction id of its own (in every later snapshot's
+/// list of transactions in progress): what is moved while it lasts stays as dead index entries.
+fn pinned(db: &TestDb) -> PgConnection {
+    let mut pin = db.conn();
+    pin.batch_execute(
+        "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT pg_current_xact_id(); SELECT count(*) FROM postbox.messages",
+    )
+    .unwrap();
+    pin
+}
+
 /// 20,000 messages moved while a transaction with an id of its own (which stays in every later
 /// snapshot's list of transactions in progress) pins the horizon: every moved row stays as a dead
 /// index entry. A move of the next 100 from the floor the last move left reads about those 100;
@@ -210,11 +221,7 @@ fn intake_entries_read(db: &TestDb, sql: &str) -> i64 {
 #[test]
 fn under_a_pinned_horizon_a_move_reads_from_its_floor() {
     let db = TestDb::migrated();
-    let mut pin = db.conn();
-    pin.batch_execute(
-        "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT pg_current_xact_id(); SELECT count(*) FROM postbox.messages",
-    )
-    .unwrap();
+    let mut pin = pinned(&db);
     let mut mover = db.conn();
     let mut floor = None;
     for round in 0..20 {
@@ -273,22 +280,24 @@ fn under_a_pinned_horizon_a_move_reads_from_its_floor() {
 #[test]
 fn after_an_analyze_under_a_pin_a_move_looks_up_pending_writers_by_id() {
     let db = TestDb::migrated();
-    let mut pin = db.conn();
-    pin.batch_execute(
-        "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT pg_current_xact_id(); SELECT count(*) FROM postbox.messages",
-    )
-    .unwrap();
+    let mut pin = pinned(&db);
     let mut mover = db.conn();
     let mut floor = None;
-    for _ in 0..20 {
-        write_intake(&mut db.conn(), "t", 1_000);
+    let mut moved = 1;
+    while moved > 0 {
+        let n = db.scalar("SELECT count(*) AS v FROM postbox.messages");
+        if n < 20_000 {
+            write_intake(&mut db.conn(), "t", 1_000);
+        }
         let m = move_from(&mut mover, MOVE_BATCH, floor.as_deref());
-        assert_eq!(m.moved, 1_000);
+        moved = m.moved;
         floor = m.floor;
     }
-    let m = move_from(&mut mover, MOVE_BATCH, floor.as_deref());
-    assert_eq!(m.moved, 0);
-    let position = m.floor.unwrap().split(';').next().unwrap().to_owned();
+    assert_eq!(
+        db.scalar("SELECT count(*) AS v FROM postbox.messages"),
+        20_000
+    );
+    let position = floor.unwrap().split(';').next().unwrap().to_owned();
     db.conn().batch_execute("ANALYZE postbox.intake").unwrap();
     // A writer that was in progress when the last move passed it, and has ended since.
     let ended = db_text(&mut db.conn(), "SELECT pg_current_xact_id()::text AS v");
