@@ -8,7 +8,7 @@
 //!
 //! The routing of unordered messages without a dedup key to `postbox.intake` (migration
 //! `intake`: a table with a primary key and nothing else on the writer's path, which the relays
-//! move into `postbox.messages` in bulk) is on (`ROUTE_TO_INTAKE`). Ordered messages
+//! move into `postbox.messages` in bulk) is built and off (`ROUTE_TO_INTAKE`). Ordered messages
 //! and messages with a dedup key are decided at the writer's commit (a key's order, a duplicate)
 //! and are always written to `postbox.messages` directly.
 
@@ -61,13 +61,13 @@ struct NewMessage<'a> {
     dedup_key: Option<&'a str>,
 }
 
-/// Whether `enqueue` writes unordered messages without a dedup key to the intake. On: the app's
-/// transaction rate reached 0.85–0.88 of the bare insert (`bench --only write`, against
-/// 0.70–0.75 direct), for about 1.5–2 ms more e2e at the median of a steady 800 msg/s flow (one
-/// more transaction, the move) and a p99 within 1.1× clean through a pinned horizon (`bench
-/// --only xmin`). Off, every message goes to `postbox.messages` directly (the intake is still
-/// moved by every store).
-const ROUTE_TO_INTAKE: bool = true;
+/// Whether `enqueue` writes unordered messages without a dedup key to the intake. Off: with it
+/// on, the app's transaction rate reached 0.86–0.88 of the bare insert (`bench --only write`,
+/// against 0.70–0.75 direct), but the e2e p99 of a steady 800 msg/s flow rose from 5.9 ms to
+/// 72–81 ms (`bench --only xmin`, its clean minutes), for a cause not found yet (not the
+/// scheduler's move, not the movers' try-lock). Until it is, the intake is for plain-SQL writers
+/// that choose it, and every store moves it.
+const ROUTE_TO_INTAKE: bool = false;
 
 impl NewMessage<'_> {
     /// Whether the message goes to the intake: routing on, and nothing about it decided at the
